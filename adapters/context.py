@@ -1,0 +1,126 @@
+"""The one contract: per-row or per-token adapter weights, set once per forward for every layer.
+
+Every adapted Linear computes ``y = W0 x + sum_k w[k] * s_k * B_k A_k x`` (DESIGN.md, "The one
+contract"). The trainer or the engine states ``w`` for the whole model in one place, an
+:class:`AdapterContext` shared by all adapted layers (vLLM's per-step mapping object), instead of
+threading arguments through every layer:
+
+    with adapted.context.use(("global", "local"), weights):   # weights: (B, K) or (B, T, K)
+        logits = model(input_ids).logits
+
+A one-hot row is a single adapter, a zero row the base model. FedDPA is ``(1 - a_b, a_b)`` over
+(global, local); AMoLE is the shared expert at 1 plus renormalised top-k gates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from adapters.config import AdapterError
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """Which adapters apply to the current batch, and how much, row by row.
+
+    Attributes:
+        names: adapter slot names, K of them, in the order of the last weights axis.
+        weights: ``(B, K)`` per batch row or ``(B, T, K)`` per token; finite.
+        trainable: adapters that receive gradients in this forward; the others contribute detached
+            (FedDPA-T trains the local adapter beside the frozen global). None: every adapter
+            follows its parameters' ``requires_grad``.
+    """
+
+    names: tuple[str, ...]
+    weights: torch.Tensor
+    trainable: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if len(set(self.names)) != len(self.names):
+            raise AdapterError(f"adapter names in one forward must be unique, got {self.names}")
+        if not isinstance(self.weights, torch.Tensor):
+            raise AdapterError(f"adapter weights must be a torch.Tensor, got {type(self.weights).__name__}")
+        if self.weights.dim() not in (2, 3):
+            raise AdapterError(
+                f"adapter weights must have shape (B, K) or (B, T, K), got {tuple(self.weights.shape)}"
+            )
+        if self.weights.shape[-1] != len(self.names):
+            raise AdapterError(
+                f"adapter weights have {self.weights.shape[-1]} columns for {len(self.names)} "
+                f"adapters {self.names}"
+            )
+        if not torch.isfinite(self.weights).all():
+            raise AdapterError("adapter weights contain NaN or inf")
+        if self.trainable is not None:
+            unknown = set(self.trainable) - set(self.names)
+            if unknown:
+                raise AdapterError(f"trainable adapters {sorted(unknown)} are not among {self.names}")
+
+    @property
+    def per_token(self) -> bool:
+        """True for ``(B, T, K)`` weights."""
+        return self.weights.dim() == 3
+
+    def rows(self) -> int:
+        """Number of batch rows B the weights describe."""
+        return int(self.weights.shape[0])
+
+
+class AdapterContext:
+    """Holds the :class:`AdapterWeights` of the forward in progress; read by every adapted layer."""
+
+    def __init__(self) -> None:
+        self._stack: list[AdapterWeights] = []
+
+    @property
+    def current(self) -> AdapterWeights | None:
+        """The innermost active weights, or None (every layer runs the base model alone)."""
+        return self._stack[-1] if self._stack else None
+
+    @contextlib.contextmanager
+    def use(
+        self,
+        names: Sequence[str],
+        weights: torch.Tensor | Sequence[Sequence[float]],
+        trainable: Sequence[str] | None = None,
+    ) -> Iterator[AdapterWeights]:
+        """Apply ``weights`` over adapters ``names`` to every forward inside the block.
+
+        Args:
+            names: K adapter names (slots).
+            weights: ``(B, K)`` or ``(B, T, K)``; a nested list is converted to float32.
+            trainable: adapters that get gradients; the others are detached. None: all.
+
+        Yields:
+            The validated :class:`AdapterWeights`.
+        """
+        tensor = weights if isinstance(weights, torch.Tensor) else torch.tensor(weights, dtype=torch.float32)
+        state = AdapterWeights(
+            names=tuple(names),
+            weights=tensor,
+            trainable=None if trainable is None else frozenset(trainable),
+        )
+        self._stack.append(state)
+        try:
+            yield state
+        finally:
+            self._stack.pop()
+
+    @contextlib.contextmanager
+    def single(self, name: str, batch: int, trainable: bool = True) -> Iterator[AdapterWeights]:
+        """Apply one adapter at weight 1 to all ``batch`` rows."""
+        with self.use((name,), torch.ones(batch, 1), trainable=(name,) if trainable else ()) as state:
+            yield state
+
+    @contextlib.contextmanager
+    def base(self) -> Iterator[None]:
+        """Run the base model alone inside the block, whatever an outer block set."""
+        self._stack.append(AdapterWeights(names=(), weights=torch.zeros(1, 0)))
+        try:
+            yield
+        finally:
+            self._stack.pop()

@@ -1,0 +1,267 @@
+"""MultiLoraLinear: a frozen ``nn.Linear`` holding any number of named LoRA adapters.
+
+Storage and weighting are apart: the layer stores each adapter's ``A`` (r, d) and ``B`` (o, r)
+(LoRA, Hu et al. 2021, section 4.1: A random, B zero at init) and reads the batch's weights from the
+shared :class:`~adapters.context.AdapterContext`; the math is in :mod:`adapters.functional`.
+
+Paths, chosen per forward from the weights:
+  * an adapter used by every row: one dense matmul over the batch, scaled per row (or token);
+  * adapters used by some rows: gathered and applied with ``bmm`` over (row, adapter) pairs;
+  * a merged adapter: folded into W0 (no extra cost), refused while other weights are requested.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from adapters.config import AdapterError, LoraConfig
+from adapters.context import AdapterContext, AdapterWeights
+from adapters.functional import gathered_lora_delta, lora_delta, slot_usage, stack_padded, weight_column
+
+
+class LoraAdapter(nn.Module):
+    """One adapter's parameters in one layer: ``lora_A`` (r, d) and ``lora_B`` (o, r)."""
+
+    def __init__(self, in_features: int, out_features: int, config: LoraConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.scaling = config.scaling
+        self.lora_A = nn.Parameter(torch.zeros(config.r, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, config.r))
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+
+    def reset(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's default init: A Kaiming-uniform (a = sqrt(5)), B zero, so the update starts at 0."""
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+            self.lora_B.zero_()
+
+
+class MultiLoraLinear(nn.Module):
+    """Wraps a frozen Linear: ``y = W0 x + sum_k w[k] s_k B_k A_k x`` with context-given weights.
+
+    Args:
+        base_layer: the frozen ``nn.Linear`` (kept as ``self.base_layer``, restored on removal).
+        context: the model-wide weights holder shared by every adapted layer.
+        name: the module path in the model (for error messages and file keys).
+    """
+
+    def __init__(self, base_layer: nn.Linear, context: AdapterContext, name: str) -> None:
+        super().__init__()
+        if not isinstance(base_layer, nn.Linear):
+            raise AdapterError(f"{name} is a {type(base_layer).__name__}, not an nn.Linear")
+        self.base_layer = base_layer
+        self.context = context
+        self.layer_name = name
+        self.adapters = nn.ModuleDict()
+        self.merged: str | None = None
+        self._original_weight: torch.Tensor | None = None
+        self._stack_cache: dict[tuple[str, ...], tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def in_features(self) -> int:
+        return int(self.base_layer.in_features)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.base_layer.out_features)
+
+    # --- storage -------------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, config: LoraConfig, generator: torch.Generator | None = None) -> LoraAdapter:
+        """Create adapter ``name`` with PEFT's init (its update is zero until trained or loaded)."""
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} already exists in {self.layer_name}")
+        adapter = LoraAdapter(self.in_features, self.out_features, config)
+        adapter.to(self.base_layer.weight.device)
+        adapter.train(self.training)
+        adapter.reset(generator)
+        self.adapters[name] = adapter
+        self._stack_cache.clear()
+        return adapter
+
+    def delete_adapter(self, name: str) -> None:
+        """Remove adapter ``name`` (refused while it is merged)."""
+        if self.merged == name:
+            raise AdapterError(f"adapter {name!r} is merged into {self.layer_name}; unmerge it first")
+        del self.adapters[name]
+        self._stack_cache.clear()
+
+    def set_weights(self, name: str, A: torch.Tensor, B: torch.Tensor) -> None:
+        """Copy ``A`` (r, d) and ``B`` (o, r) into adapter ``name`` after checking shapes and values."""
+        adapter = self._get(name)
+        expected_a, expected_b = tuple(adapter.lora_A.shape), tuple(adapter.lora_B.shape)
+        if tuple(A.shape) != expected_a or tuple(B.shape) != expected_b:
+            raise AdapterError(
+                f"{self.layer_name}: adapter {name!r} expects lora_A {expected_a} and lora_B "
+                f"{expected_b} (rank {adapter.config.r}, layer {self.in_features}->{self.out_features}), "
+                f"got {tuple(A.shape)} and {tuple(B.shape)}"
+            )
+        if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
+            raise AdapterError(f"{self.layer_name}: adapter {name!r} weights contain NaN or inf")
+        with torch.no_grad():
+            adapter.lora_A.copy_(A)
+            adapter.lora_B.copy_(B)
+        self._stack_cache.clear()
+
+    def _get(self, name: str) -> LoraAdapter:
+        if name not in self.adapters:
+            raise AdapterError(
+                f"{self.layer_name} has no adapter {name!r}; loaded: {sorted(self.adapters.keys())}"
+            )
+        return self.adapters[name]  # type: ignore[return-value]
+
+    def invalidate_cache(self) -> None:
+        """Forget stacked copies (call after changing adapter tensors in place)."""
+        self._stack_cache.clear()
+
+    # --- merge ---------------------------------------------------------------------------------
+
+    def merge(self, name: str) -> None:
+        """Fold adapter ``name`` into W0 so a single-adapter forward costs nothing extra."""
+        if self.merged is not None:
+            raise AdapterError(f"{self.layer_name} already has {self.merged!r} merged; unmerge it first")
+        adapter = self._get(name)
+        weight = self.base_layer.weight
+        self._original_weight = weight.detach().clone()
+        delta = (adapter.lora_B.detach().float() @ adapter.lora_A.detach().float()) * adapter.scaling
+        with torch.no_grad():
+            weight.copy_((weight.float() + delta).to(weight.dtype))
+        self.merged = name
+
+    def unmerge(self) -> None:
+        """Restore the exact original W0 (a saved copy, not a subtraction with rounding error)."""
+        if self.merged is None or self._original_weight is None:
+            return
+        with torch.no_grad():
+            self.base_layer.weight.copy_(self._original_weight)
+        self._original_weight = None
+        self.merged = None
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        state = self.context.current
+        if self.merged is not None:
+            self._check_merged(state, x)
+            return result
+        if state is None or not state.names:
+            return result
+        present = [k for k, n in enumerate(state.names) if n in self.adapters]
+        if not present:
+            return result
+        weights = self._rows_for(state, x)
+        squeeze = x.dim() == 2
+        x3 = x.unsqueeze(1) if squeeze else x  # (B, T, d)
+        out = result.unsqueeze(1) if squeeze else result  # (B, T, o)
+        if weights.dim() == 3 and weights.shape[1] != x3.shape[1]:
+            raise AdapterError(
+                f"per-token adapter weights cover {weights.shape[1]} tokens, the input has {x3.shape[1]}"
+            )
+        weights = weights.to(device=x.device)
+        used = slot_usage(weights)  # (B, K)
+        counts = used.sum(dim=0).tolist()
+        n_rows = x3.shape[0]
+        gathered: list[int] = []
+        for k in present:
+            if counts[k] == 0:
+                continue
+            if counts[k] == n_rows:
+                A, B, adapter = self._tensors(state, state.names[k])
+                delta = lora_delta(adapter.dropout(x3), A, B, adapter.scaling)
+                out = out + (delta * weight_column(weights, k).to(delta.dtype)).to(out.dtype)
+            else:
+                gathered.append(k)
+        if gathered:
+            out = self._gathered(state, weights, used, gathered, x3, out)
+        return out.squeeze(1) if squeeze else out
+
+    def _rows_for(self, state: AdapterWeights, x: torch.Tensor) -> torch.Tensor:
+        """Return weights with one row per input row; beam search repeats each row ``n`` times."""
+        weights = state.weights
+        rows, batch = state.rows(), int(x.shape[0])
+        if rows == batch:
+            return weights
+        if rows > 0 and batch % rows == 0:
+            return weights.repeat_interleave(batch // rows, dim=0)
+        raise AdapterError(
+            f"adapter weights have {rows} rows but the batch has {batch} rows ({self.layer_name})"
+        )
+
+    def _tensors(self, state: AdapterWeights, name: str) -> tuple[torch.Tensor, torch.Tensor, LoraAdapter]:
+        adapter: LoraAdapter = self.adapters[name]  # type: ignore[assignment]
+        A, B = adapter.lora_A, adapter.lora_B
+        if state.trainable is not None and name not in state.trainable:
+            A, B = A.detach(), B.detach()
+        return A, B, adapter
+
+    def _gathered(
+        self,
+        state: AdapterWeights,
+        weights: torch.Tensor,
+        used: torch.Tensor,
+        slots: list[int],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        names = tuple(state.names[k] for k in slots)
+        A_stack, B_stack = self._stacks(state, names)
+        sub = used[:, slots]  # (B, S)
+        rows, local = sub.nonzero(as_tuple=True)  # pairs (row, index into slots)
+        scal = torch.tensor([self.adapters[n].scaling for n in names], dtype=weights.dtype, device=x.device)
+        cols = torch.tensor(slots, device=x.device)[local]
+        w = weights[rows, ..., cols] if weights.dim() == 2 else weights[rows, :, cols]  # (N,) / (N, T)
+        coef = w * scal[local].unsqueeze(-1) if w.dim() == 2 else w * scal[local]
+        coef = coef.unsqueeze(-1) if coef.dim() == 2 else coef.view(-1, 1, 1)
+        xg = x.index_select(0, rows)  # (N, T, d)
+        if self.training:
+            # Dropout per (row, adapter) pair, each with its adapter's own rate.
+            p = torch.tensor([self.adapters[n].config.dropout for n in names], device=x.device)[local]
+            p = p.view(-1, 1, 1).to(x.dtype)
+            xg = xg * (torch.rand_like(xg) >= p).to(x.dtype) / (1 - p)
+        y = gathered_lora_delta(xg, A_stack, B_stack, local, coef)  # (N, T, o)
+        return out.index_add(0, rows, y.to(out.dtype))
+
+    def _stacks(self, state: AdapterWeights, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack (and, outside autograd, cache) the gathered adapters' A and B."""
+        pairs = [self._tensors(state, n) for n in names]
+        needs_grad = torch.is_grad_enabled() and any(a.requires_grad or b.requires_grad for a, b, _ in pairs)
+        if not needs_grad:
+            versions = tuple(p.lora_A._version + p.lora_B._version for _, _, p in pairs)
+            hit = self._stack_cache.get(names)
+            if hit is not None and hit[0] == versions:
+                return hit[1], hit[2]
+        A_stack = stack_padded([a for a, _, _ in pairs], rank_dim=0)  # (S, r_max, d)
+        B_stack = stack_padded([b for _, b, _ in pairs], rank_dim=1)  # (S, o, r_max)
+        if not needs_grad:
+            if len(self._stack_cache) > 64:
+                self._stack_cache.clear()
+            self._stack_cache[names] = (versions, A_stack.detach(), B_stack.detach())
+        return A_stack, B_stack
+
+    def _check_merged(self, state: AdapterWeights | None, x: torch.Tensor) -> None:
+        if state is None:
+            return
+        weights = state.weights
+        if not state.names:
+            raise AdapterError(
+                f"{self.layer_name} has {self.merged!r} merged; a base-only forward needs unmerge()"
+            )
+        ok = self.merged in state.names
+        if ok:
+            k = state.names.index(self.merged)  # type: ignore[arg-type]
+            expected = torch.zeros_like(weights)
+            expected[..., k] = 1.0
+            ok = bool(torch.equal(weights, expected))
+        if not ok:
+            raise AdapterError(
+                f"{self.layer_name} has adapter {self.merged!r} merged into W0; per-row or mixed "
+                "adapter weights need unmerge() first"
+            )
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: adapters={list(self.adapters.keys())}, merged={self.merged}"

@@ -1,0 +1,115 @@
+"""Simple batched generation over the adapter context (greedy or beam search), no server needed.
+
+This is the generation path of the batch evaluator and of ``fedmosaic generate`` until the
+continuous-batching engine exists: prompts are left-padded into batches, each row gets its adapter
+weights (``(B, K)`` over named adapters) through the model's :class:`~adapters.AdapterContext`, and
+HF ``generate`` decodes (the layers repeat each row's weights for beams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from adapters import AdaptedModel
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding settings.
+
+    Attributes:
+        max_new_tokens: generated tokens per prompt at most.
+        num_beams: 1 is greedy (the default of our protocol); the FedDPA reference used 4.
+        batch_size: prompts per forward batch.
+    """
+
+    max_new_tokens: int = 64
+    num_beams: int = 1
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "num_beams", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GenerationConfig.{name} must be a positive integer, got {value!r}")
+
+
+def generate(
+    adapted: AdaptedModel | None,
+    model: torch.nn.Module,
+    tokenizer: object,
+    prompts: Sequence[str],
+    names: Sequence[str] = (),
+    weights: torch.Tensor | Sequence[Sequence[float]] | None = None,
+    config: GenerationConfig = GenerationConfig(),
+    autocast: object | None = None,
+) -> list[str]:
+    """Generate a completion for every prompt, row ``i`` with adapter weights ``weights[i]``.
+
+    Args:
+        adapted: the injected model (None for a bare base model).
+        model: the HF causal LM (``adapted.model`` when injected).
+        tokenizer: its tokenizer (a pad token is required).
+        prompts: already-templated prompt strings.
+        names: adapter names, K of them; empty for the base model.
+        weights: ``(len(prompts), K)``; one row ``(K,)`` applies to all prompts; None with no names.
+        config: decoding settings.
+        autocast: a context-manager factory for the compute dtype (e.g. ``LoadedModel.autocast``).
+
+    Returns:
+        The decoded completions (prompt excluded, special tokens removed, stripped).
+    """
+    if names and adapted is None:
+        raise ValueError("adapter names were given but the model has no adapters injected")
+    w = _weights(names, weights, len(prompts))
+    outputs: list[str] = []
+    side = tokenizer.padding_side  # type: ignore[attr-defined]
+    tokenizer.padding_side = "left"  # type: ignore[attr-defined]
+    try:
+        for start in range(0, len(prompts), config.batch_size):
+            batch = list(prompts[start:start + config.batch_size])
+            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)  # type: ignore[operator]
+            kwargs = dict(
+                max_new_tokens=config.max_new_tokens,
+                num_beams=config.num_beams,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+                eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+            )
+            with torch.inference_mode(), (autocast() if callable(autocast) else _null()):
+                if adapted is not None and names:
+                    with adapted.context.use(tuple(names), w[start:start + len(batch)]):
+                        out = model.generate(**enc, **kwargs)  # type: ignore[operator]
+                else:
+                    out = model.generate(**enc, **kwargs)  # type: ignore[operator]
+            new = out[:, enc["input_ids"].shape[1]:]
+            outputs.extend(t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True))  # type: ignore[attr-defined]
+    finally:
+        tokenizer.padding_side = side  # type: ignore[attr-defined]
+    return outputs
+
+
+def _weights(names: Sequence[str], weights: object, n: int) -> torch.Tensor:
+    if not names:
+        return torch.zeros(n, 0)
+    if weights is None:
+        raise ValueError(f"weights are required for adapters {list(names)}")
+    w = weights if isinstance(weights, torch.Tensor) else torch.tensor(weights, dtype=torch.float32)
+    if w.dim() == 1:
+        w = w.unsqueeze(0)
+    if w.shape[0] == 1 and n != 1:
+        w = w.expand(n, -1)
+    if w.dim() != 2 or w.shape != (n, len(names)):
+        raise ValueError(f"weights must have shape ({n}, {len(names)}), got {tuple(w.shape)}")
+    return w
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
