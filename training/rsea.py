@@ -1,0 +1,231 @@
+"""Reverse-Selection Expert Assignment (RSEA): embeddings, relevance, assignment, aggregation.
+
+FedAMoLE (paper 002, section 4.4, equations (17)-(21) and (28); Appendix C.2-C.3; METHODS.md
+1.4-1.6). Per AMoLE module, every round:
+
+* client side, after local training: ``c_i = mean_t P h_t`` (17) and ``e_{j,i} = mean_t A_j h_t``
+  (19) over the client's embedding set, optional DP noise (both in :mod:`training.rsea_embed`);
+* server side: ``e_j = mean_{i holding j} e_{j,i}`` (18), relevance
+  ``s_{j,i} = e_j . c_i / sqrt(r)`` (20), selection probabilities ``softmax_i s_{j,i}`` (28), then
+  the MILP of Appendix C.3
+  (:mod:`training.rsea_milp`); round 0 and the random ablation use U(0, 1) scores instead;
+* aggregation (section 4.3): token projection averaged over all clients, each domain expert over
+  the clients that held it, the shared expert over all clients. No data-size weighting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import numpy as np
+import torch
+
+from training.rsea_embed import EmbeddingAccumulator, add_dp_noise
+from training.rsea_milp import Solver, client_bounds, solve_assignment
+
+__all__ = [
+    "AMoLEConfig",
+    "EmbeddingAccumulator",
+    "add_dp_noise",
+    "aggregate_experts",
+    "aggregate_token_proj",
+    "assign_experts",
+    "mean_over_holders",
+    "random_scores",
+    "relevance_scores",
+    "scores_source",
+    "selection_probabilities",
+    "server_expert_embeddings",
+]
+
+Assignment = Literal["rsea", "static", "random"]
+K = TypeVar("K", bound=Hashable)
+C = TypeVar("C", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class AMoLEConfig:
+    """FedAMoLE hyper-parameters (defaults = paper and reference code, METHODS.md 1.8).
+
+    Attributes:
+        num_experts: domain experts per module, N_e.
+        expert_choices: clients each expert selects per round, k_c.
+        top_k: domain experts per token.
+        min_experts: fewest experts per client-module (hard-coded 2 in the reference).
+        max_experts: most experts per client-module.
+        load_balance_alpha: weight of the summed load-balance loss.
+        shared_expert: False is the FedAMoLE-S ablation.
+        assignment: "rsea" (paper), "static" (FedMoLE: random at round 0, then fixed) or
+            "random" (FedAMoLE-R: random every round).
+        homogeneous: every client holds N_e k_c / N_c experts (``homo_arch``).
+        solver: MILP solver, "highs" (scipy) or "scip" (optional pyscipopt).
+        dp_noise: add Gamma-Laplace noise to uploaded embeddings.
+        dp_eta: rate of the noise's Gamma magnitude.
+    """
+
+    num_experts: int = 30
+    expert_choices: int = 2
+    top_k: int = 2
+    min_experts: int = 2
+    max_experts: int = 8
+    load_balance_alpha: float = 0.001
+    shared_expert: bool = True
+    assignment: Assignment = "rsea"
+    homogeneous: bool = False
+    solver: Solver = "highs"
+    dp_noise: bool = False
+    dp_eta: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or self.expert_choices < 1 or self.top_k < 1:
+            raise ValueError("num_experts, expert_choices and top_k must be >= 1")
+        if not 1 <= self.min_experts <= self.max_experts:
+            # The gate needs at least one routed expert per client-module.
+            raise ValueError(
+                f"need 1 <= min_experts <= max_experts, got {self.min_experts}, {self.max_experts}"
+            )
+        if self.load_balance_alpha < 0:
+            raise ValueError(f"load_balance_alpha must be >= 0, got {self.load_balance_alpha}")
+        if self.assignment not in ("rsea", "static", "random"):
+            raise ValueError(f"assignment must be rsea, static or random, got {self.assignment!r}")
+        if self.solver not in ("highs", "scip"):
+            raise ValueError(f"solver must be highs or scip, got {self.solver!r}")
+        if self.dp_eta <= 0:
+            raise ValueError(f"dp_eta must be > 0, got {self.dp_eta}")
+
+    def check_clients(self, num_clients: int) -> None:
+        """Raise ValueError (naming the numbers) if no assignment exists for ``num_clients``."""
+        client_bounds(
+            self.num_experts, num_clients, self.expert_choices, self.min_experts,
+            self.max_experts, self.homogeneous,
+        )
+
+
+def mean_over_holders(per_client: Mapping[C, Mapping[K, torch.Tensor]]) -> dict[K, torch.Tensor]:
+    """Average each key's tensor over the clients that hold that key (unweighted)."""
+    groups: dict[K, list[torch.Tensor]] = {}
+    for held in per_client.values():
+        for key, value in held.items():
+            groups.setdefault(key, []).append(value)
+    return {key: torch.stack(vals).mean(0) for key, vals in groups.items()}
+
+
+def server_expert_embeddings(
+    per_client: Mapping[C, Mapping[int, torch.Tensor]], num_experts: int
+) -> torch.Tensor:
+    """Server expert embeddings ``e_j`` (18): unweighted mean over the clients that held expert j.
+
+    Args:
+        per_client: client -> expert id -> (r,) per-client expert embedding ``e_{j,i}``.
+        num_experts: N_e.
+
+    Returns:
+        (N_e, r). An expert no client held (only possible when clients drop out) gets a zero row,
+        i.e. equal relevance to every client.
+    """
+    means = mean_over_holders(per_client)
+    if not means:
+        raise ValueError("no expert embeddings received")
+    r = next(iter(means.values())).shape[-1]
+    out = torch.zeros(num_experts, r)
+    for j, vec in means.items():
+        out[j] = vec.float()
+    return out
+
+
+def relevance_scores(expert_emb: torch.Tensor, client_emb: torch.Tensor) -> torch.Tensor:
+    """``s_{j,i} = e_j . c_i / sqrt(r)`` (20): (N_e, r), (N_c, r) -> (N_e, N_c)."""
+    return expert_emb @ client_emb.T / math.sqrt(expert_emb.shape[-1])
+
+
+def selection_probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """Equation (28): softmax over clients, so each expert's row sums to 1. (N_e, N_c)."""
+    return torch.softmax(scores.double(), dim=1)
+
+
+def random_scores(num_experts: int, num_clients: int, generator: torch.Generator) -> torch.Tensor:
+    """U(0, 1) scores for round 0 and the random-assignment ablation. (N_e, N_c)."""
+    return torch.rand(num_experts, num_clients, generator=generator, dtype=torch.float64)
+
+
+def scores_source(config: AMoLEConfig, round_idx: int) -> Literal["random", "relevance", "keep"]:
+    """Where round ``round_idx``'s assignment comes from (0 = the first dispatch)."""
+    if round_idx == 0 or config.assignment == "random":
+        return "random"
+    return "relevance" if config.assignment == "rsea" else "keep"
+
+
+def assign_experts(
+    scores: Mapping[str, torch.Tensor | np.ndarray] | None,
+    config: AMoLEConfig,
+    clients: Sequence[C],
+    modules: Sequence[str] | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, dict[C, list[int]]]:
+    """Assign domain experts to clients for every module, each module solved independently.
+
+    Args:
+        scores: module -> (N_e, N_c) relevance scores (20), columns in ``clients`` order; None
+            draws U(0, 1) scores per module (round 0, ablations), which needs ``modules``.
+        config: the FedAMoLE settings (k_c, bounds, homogeneous, solver).
+        clients: client ids, one per score column.
+        modules: module names; defaults to the keys of ``scores``.
+        generator: seeded generator for random scores.
+
+    Returns:
+        module -> client -> sorted domain-expert ids. The shared expert is implicit (always on).
+    """
+    config.check_clients(len(clients))
+    if scores is None:
+        if modules is None:
+            raise ValueError("random assignment needs the module names")
+        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        scores = {m: random_scores(config.num_experts, len(clients), gen) for m in modules}
+    names = list(modules) if modules is not None else list(scores)
+    result: dict[str, dict[C, list[int]]] = {}
+    for name in names:
+        s = torch.as_tensor(np.asarray(scores[name]), dtype=torch.float64)
+        if s.shape != (config.num_experts, len(clients)):
+            raise ValueError(
+                f"{name}: scores shape {tuple(s.shape)} != ({config.num_experts}, {len(clients)})"
+            )
+        X = solve_assignment(
+            selection_probabilities(s).numpy(),
+            k_c=config.expert_choices,
+            e_min=config.min_experts,
+            e_max=config.max_experts,
+            homogeneous=config.homogeneous,
+            solver=config.solver,
+        )
+        result[name] = {c: np.flatnonzero(X[:, i]).tolist() for i, c in enumerate(clients)}
+    return result
+
+
+def aggregate_token_proj(token_projs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Plain mean of every client's (r, d) token projection (all clients, no size weighting)."""
+    if not token_projs:
+        raise ValueError("no token projections to aggregate")
+    return torch.stack(list(token_projs)).mean(0)
+
+
+def aggregate_experts(
+    per_client: Mapping[C, Mapping[K, tuple[torch.Tensor, torch.Tensor]]],
+) -> dict[K, tuple[torch.Tensor, torch.Tensor]]:
+    """Average each expert's (A, B) over the clients that held it this round.
+
+    The shared expert, held by every client under one key (e.g. ``"shared"``), thereby comes out
+    averaged over all clients.
+
+    Args:
+        per_client: client -> expert id -> (A (r, d), B (o, r)).
+
+    Returns:
+        expert id -> (A_mean, B_mean).
+    """
+    items = per_client.items()
+    a_means = mean_over_holders({c: {k: a for k, (a, _) in held.items()} for c, held in items})
+    b_means = mean_over_holders({c: {k: b for k, (_, b) in held.items()} for c, held in items})
+    return {k: (a_means[k], b_means[k]) for k in a_means}
