@@ -15,12 +15,49 @@ A one-hot row is a single adapter, a zero row the base model. FedDPA is ``(1 - a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from adapters.config import AdapterError
+
+
+@dataclass(frozen=True)
+class AMoLERouting:
+    """Per-token AMoLE routing for the current batch (FedAMoLE, paper 002 section 4.2).
+
+    Rows are grouped by client: ``groups[row_group[b]]`` maps each adapted layer's path to the
+    domain-expert ids that row's client holds in that layer (a client's assignment differs per
+    module). Layers compute the gate themselves from their token projection, so the weights are
+    per token and never materialised here.
+
+    Attributes:
+        groups: one mapping per distinct client, layer path -> expert ids (sizes may differ).
+        row_group: (B,) long tensor, the group of every batch row.
+        top_k: experts per token (clipped to the number a client holds).
+        shared: add the shared expert at weight 1 (False: the paper's no-shared ablation).
+        routed_dropout: ``per_expert`` (reference) or ``per_token`` (faster; see adapters.amole).
+        stats: filled by the layers during the forward with (layer path, full gates (N, E),
+            top-k ids (N, k)) per group, for the load-balance loss; cleared by the caller.
+    """
+
+    groups: tuple[Mapping[str, tuple[int, ...]], ...]
+    row_group: torch.Tensor
+    top_k: int = 2
+    shared: bool = True
+    routed_dropout: str = "per_expert"
+    stats: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise AdapterError("AMoLE routing needs at least one client assignment")
+        if self.row_group.dim() != 1 or self.row_group.dtype not in (torch.int32, torch.int64):
+            raise AdapterError(f"row_group must be a (B,) integer tensor, got {tuple(self.row_group.shape)}")
+        if self.row_group.numel() and (int(self.row_group.min()) < 0 or int(self.row_group.max()) >= len(self.groups)):
+            raise AdapterError(f"row_group values must index the {len(self.groups)} assignment groups")
+        if self.top_k < 1:
+            raise AdapterError(f"top_k must be >= 1, got {self.top_k}")
 
 
 @dataclass(frozen=True)
@@ -38,6 +75,7 @@ class AdapterWeights:
     names: tuple[str, ...]
     weights: torch.Tensor
     trainable: frozenset[str] | None = None
+    amole: AMoLERouting | None = None
 
     def __post_init__(self) -> None:
         if len(set(self.names)) != len(self.names):
@@ -67,6 +105,8 @@ class AdapterWeights:
 
     def rows(self) -> int:
         """Number of batch rows B the weights describe."""
+        if self.amole is not None:
+            return int(self.amole.row_group.shape[0])
         return int(self.weights.shape[0])
 
 
@@ -107,6 +147,15 @@ class AdapterContext:
         self._stack.append(state)
         try:
             yield state
+        finally:
+            self._stack.pop()
+
+    @contextlib.contextmanager
+    def route_amole(self, routing: AMoLERouting) -> Iterator[AMoLERouting]:
+        """Route every token through its client's assigned experts inside the block (AMoLE)."""
+        self._stack.append(AdapterWeights(names=(), weights=torch.zeros(routing.row_group.shape[0], 0), amole=routing))
+        try:
+            yield routing
         finally:
             self._stack.pop()
 

@@ -17,6 +17,7 @@ import math
 import torch
 from torch import nn
 
+from adapters.amole_layer import amole_layer_forward
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext, AdapterWeights
 from adapters.functional import gathered_lora_delta, lora_delta, slot_usage, stack_padded, weight_column
@@ -58,6 +59,7 @@ class MultiLoraLinear(nn.Module):
         self.layer_name = name
         self.adapters = nn.ModuleDict()
         self.merged: str | None = None
+        self.token_proj: nn.Parameter | None = None  # AMoLE router (r, d), see adapters.amole_layer
         self._original_weight: torch.Tensor | None = None
         self._stack_cache: dict[tuple[str, ...], tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
 
@@ -149,6 +151,8 @@ class MultiLoraLinear(nn.Module):
         if self.merged is not None:
             self._check_merged(state, x)
             return result
+        if state is not None and state.amole is not None:
+            return amole_layer_forward(self, x, result, state.amole)
         if state is None or not state.names:
             return result
         present = [k for k, n in enumerate(state.names) if n in self.adapters]

@@ -89,7 +89,7 @@ def main() -> None:
             d = statistics.median(decode(case) for _ in range(args.repeats))
             results[case] = {"prefill_s": round(p, 4), "decode_step_s": round(d, 5)}
     base = results["base"]
-    for case, r in results.items():
+    for r in results.values():
         r["prefill_ratio"] = round(r["prefill_s"] / base["prefill_s"], 3)
         r["decode_ratio"] = round(r["decode_step_s"] / base["decode_step_s"], 3)
     print(json.dumps({

@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="prepare, verify and list base models")
     models.add_argument("action", choices=["prepare", "verify", "list", "tiny"])
     models.add_argument("name", nargs="?", default="smollm2", help="'smollm2', or the output folder for 'tiny'")
-    models.add_argument("--cache-dir", default=None, help="model cache (default: FEDMOSAIC_CACHE_DIR or ~/.cache/fedmosaic)")
+    models.add_argument(
+        "--cache-dir", default=None, help="model cache (default: FEDMOSAIC_CACHE_DIR or ~/.cache/fedmosaic)"
+    )
     models.add_argument("--force", action="store_true", help="rebuild even when the cache is complete")
     models.set_defaults(func=_models)
 
