@@ -87,3 +87,19 @@ def test_routing_errors(amole) -> None:  # noqa: ANN001
         run(amole, [assignment(amole, (0, 9))], [0, 0, 0])
     with pytest.raises(AdapterError, match="index the 1 assignment groups"):
         AMoLERouting(groups=({},), row_group=torch.tensor([0, 1]))
+
+
+def test_save_and_load_round_trip(amole, tiny: LoadedModel, tmp_path) -> None:  # noqa: ANN001
+    from adapters.amole_io import load_amole, save_amole
+    from fedmosaic.tiny import tiny_llama
+
+    groups = {"c0": assignment(amole, (0, 2)), "c1": assignment(amole, (1, 3, 4))}
+    save_amole(amole, tmp_path / "am", num_experts=5, assignments=groups)
+    before = run(amole, [groups["c0"], groups["c1"]], [0, 1, 1])
+    fresh = inject(tiny_llama().model)
+    loaded, top_k = load_amole(fresh, tmp_path / "am")
+    assert top_k == 2 and loaded["c1"] == groups["c1"]
+    after = run(fresh, [loaded["c0"], loaded["c1"]], [0, 1, 1])
+    torch.testing.assert_close(after, before)
+    with pytest.raises(AdapterError, match="already holds AMoLE experts"):
+        load_amole(fresh, tmp_path / "am")
