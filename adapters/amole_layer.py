@@ -110,6 +110,8 @@ def amole_layer_forward(
         rows = (row_group == g).nonzero(as_tuple=True)[0]
         whole = rows.numel() == x.shape[0]
         xg, rg = (x, result) if whole else (x.index_select(0, rows), result.index_select(0, rows))
+        if routing.observer is not None:
+            routing.observer(layer.layer_name, g, xg.detach(), layer.token_proj.detach(), A.detach())
         res = amole_forward(
             xg, rg,
             shared.lora_A if shared is not None else None,

@@ -15,7 +15,7 @@ A one-hot row is a single adapter, a zero row the base model. FedDPA is ``(1 - a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,8 @@ class AMoLERouting:
         routed_dropout: ``per_expert`` (reference) or ``per_token`` (faster; see adapters.amole).
         stats: filled by the layers during the forward with (layer path, full gates (N, E),
             top-k ids (N, k)) per group, for the load-balance loss; cleared by the caller.
+        observer: optional callback ``(layer path, group, h (n, T, d), P (r, d), A (E, r, d))``
+            called by every layer with its input, for the RSEA embeddings (paper 002 eq. 17, 19).
     """
 
     groups: tuple[Mapping[str, tuple[int, ...]], ...]
@@ -48,6 +50,7 @@ class AMoLERouting:
     shared: bool = True
     routed_dropout: str = "per_expert"
     stats: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list, compare=False)
+    observer: Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:

@@ -1,0 +1,74 @@
+"""Tokenization for causal-LM fine-tuning: prompt masked out of the loss, EOS appended, cutoff.
+
+As the FedDPA reference (alpaca-lora, METHODS.md 2.3: ``train_on_inputs=False``, ``cutoff_len`` 512):
+``input_ids = prompt + response + EOS`` with labels ``-100`` over the prompt, truncated to the cutoff,
+the EOS kept only when it fits. Batches are padded with the tokenizer's pad id and label ``-100``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from training.data.prompts import PromptConfig, format_prompt
+from training.data.records import DataError, Record
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized training example (lists of token ids, same length)."""
+
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+
+
+def tokenize_record(
+    record: Record, tokenizer: object, cutoff_len: int = 512, prompt: PromptConfig = PromptConfig()
+) -> Example:
+    """Tokenize one record with the prompt masked (-100), EOS appended, truncated to ``cutoff_len``."""
+    if cutoff_len < 2:
+        raise DataError(f"cutoff_len must be >= 2, got {cutoff_len}")
+    text = format_prompt(record, tokenizer, prompt)
+    p_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    r_ids = tokenizer(record.output, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    eos = tokenizer.eos_token_id  # type: ignore[attr-defined]
+    ids = list(p_ids) + list(r_ids)
+    if len(ids) < cutoff_len:
+        ids.append(eos)
+    ids = ids[:cutoff_len]
+    n_prompt = min(len(p_ids), len(ids))
+    labels = [IGNORE] * n_prompt + ids[n_prompt:]
+    return Example(tuple(ids), tuple(labels))
+
+
+def prompt_texts(records: Sequence[Record], tokenizer: object | None = None,
+                 prompt: PromptConfig = PromptConfig()) -> list[str]:
+    """Prompts only, for generation and for embeddings."""
+    return [format_prompt(r, tokenizer, prompt) for r in records]
+
+
+def collate(examples: Sequence[Example], pad_id: int, left: bool = False) -> dict[str, torch.Tensor]:
+    """Pad a batch: ``input_ids`` with ``pad_id``, ``labels`` with -100, an ``attention_mask``.
+
+    Args:
+        examples: tokenized examples.
+        pad_id: the tokenizer's pad token id.
+        left: pad on the left (generation, FedDPA's reference) instead of the right (training).
+    """
+    if not examples:
+        raise DataError("cannot collate an empty batch")
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        sl = slice(width - n, width) if left else slice(0, n)
+        ids[i, sl] = torch.tensor(e.input_ids)
+        labels[i, sl] = torch.tensor(e.labels)
+        mask[i, sl] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
