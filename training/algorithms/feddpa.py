@@ -1,0 +1,56 @@
+"""FedDPA-F and FedDPA-T: a shared global adapter plus a private local adapter (paper 000, section 4).
+
+FedDPA-T, as DESIGN.md decides (paper Algorithm 2 with the reference code's order, METHODS.md 2.2):
+round 0 trains only the global adapter (FedIT). From round 1, each selected client first trains its
+local adapter beside the frozen received global with the forward
+``W0 x + (1 - alpha) dW_global x (detached) + alpha dW_local x``; the local adapter starts fresh (B = 0)
+at round 1 and is the client's private state afterwards. The client then trains the global adapter
+alone from the received global and uploads only that; the server averages with equal weights.
+alpha = 0.5 (dataset 1; 0.3 for dataset 2) and at inference lambda = alpha.
+
+FedDPA-F (section 4.2): FedIT, then the local adapter is a copy of the final global fine-tuned on the
+client's data (the author's recipe, METHODS.md 2.7); inference lambda = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from training.algorithms.fedit import FedAvgStrategy, train_global
+from training.algorithms.local import FineTuneClient, fresh_local, train_local
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy
+
+
+class FedDPATClient(ClientAlgorithm):
+    """Client of FedDPA-T: local step beside the frozen global, then the global step; uploads the global."""
+
+    def __init__(self, alpha: float = 0.5) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"FedDPA-T alpha must be in [0, 1], got {alpha}")
+        self.alpha = alpha
+
+    def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
+        metrics: dict[str, float] = {}
+        if ins.round > 0:
+            ctx.runtime.set("global", ins.state)
+            start = ctx.private.get("local") or fresh_local(ctx)
+            metrics.update(train_local(ctx, ins.round, start, names=("global", "local"),
+                                       weights=(1.0 - self.alpha, self.alpha)))
+        state, global_metrics = train_global(ins, ctx)
+        metrics.update(global_metrics)
+        return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
+
+
+def _strategy(o: Mapping[str, Any]) -> Strategy:
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+
+
+FEDDPA_T = Method(
+    name="feddpa-t", strategy=_strategy, client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5))),
+    has_local=True, inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal"}, inference_option="alpha",
+)
+FEDDPA_F = Method(
+    name="feddpa-f", strategy=_strategy, client=lambda o: FineTuneClient(), has_local=True,
+    inference_weight=1.0, defaults={"lambda": 1.0, "weighting": "equal"}, inference_option="lambda",
+)

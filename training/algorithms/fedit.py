@@ -1,0 +1,87 @@
+"""FedIT (FedAvg of one LoRA, Zhang et al. 2024) and FedProx (Li et al. 2020): the global baselines.
+
+Each selected client starts from the received global adapter, trains it alone on its data, and
+uploads it; the server averages, with equal client weights by default (the FedDPA papers aggregate
+"based on client number", METHODS.md 2.2) or by ``num_examples``. FedProx adds ``mu/2 ||theta -
+theta_g||^2`` to the client loss; ``mu = 0`` is FedIT exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from training.aggregate import Weighting, aggregate_results
+from training.local_train import LossFn, lm_loss, train_adapters
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.runtime import Runtime
+
+
+class FedAvgStrategy(Strategy):
+    """Server: a fresh global adapter at start, FedAvg of the uploads every round."""
+
+    def __init__(self, seed: int = 0, weighting: Weighting = "equal") -> None:
+        if weighting not in ("equal", "num_examples"):
+            raise ValueError(f"weighting must be 'equal' or 'num_examples', got {weighting!r}")
+        self.seed = seed
+        self.weighting = weighting
+
+    def initial_state(self, runtime: Runtime) -> StateDict:
+        return runtime.fresh("global", derive_seed(self.seed, "global-init"))
+
+    def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
+                  state: StateDict) -> StateDict | None:
+        return aggregate_results(results, self.weighting)
+
+    def summary(self) -> dict[str, Any]:
+        return {"aggregation": self.weighting}
+
+
+def train_global(ins: FitIns, ctx: ClientContext, loss_fn: LossFn = lm_loss) -> tuple[StateDict, dict[str, float]]:
+    """Train the received global adapter alone on the client's data; return it and the metrics."""
+    rt = ctx.runtime
+    rt.set("global", ins.state)
+    res = train_adapters(rt, rt.examples(ctx.data), ["global"], ["global"], [1.0],
+                         seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "global"),
+                         loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} global")
+    return rt.get("global"), res.metrics()
+
+
+class FedAvgClient(ClientAlgorithm):
+    """Client: train the global adapter from what was received, upload it (FedProx when mu > 0)."""
+
+    def __init__(self, mu: float = 0.0) -> None:
+        if mu < 0:
+            raise ValueError(f"FedProx mu must be >= 0, got {mu}")
+        self.mu = mu
+
+    def loss(self, received: Mapping[str, torch.Tensor]) -> LossFn:
+        """The LM loss plus FedProx's proximal term toward the received global adapter."""
+        if self.mu == 0:
+            return lm_loss
+
+        def prox(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+            loss, extra = lm_loss(rt, batch, names, weights)
+            params = rt.params("global")
+            term = sum(((params[k] - received[k].to(params[k].dtype)) ** 2).sum() for k in params)
+            return loss + 0.5 * self.mu * term, {**extra, "prox": float(term.detach())}  # type: ignore[union-attr]
+
+        return prox
+
+    def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
+        state, metrics = train_global(ins, ctx, self.loss(ins.state))
+        return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
+
+
+def _strategy(o: Mapping[str, Any]) -> Strategy:
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+
+
+FEDIT = Method(name="fedit", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
+               defaults={"weighting": "equal"})
+FEDPROX = Method(name="fedprox", strategy=_strategy, client=lambda o: FedAvgClient(mu=float(o.get("mu", 0.01))),
+                 defaults={"weighting": "equal", "mu": 0.01})
+CENTRALIZED = Method(name="centralized", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
+                     centralized=True)

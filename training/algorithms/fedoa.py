@@ -1,0 +1,73 @@
+"""FedOA (paper 001): a private adapter regularised toward the global one's features.
+
+Like FedDPA-T (round 0 global only; then local step, then global step; only the global uploaded),
+but the local adapter runs alone, with ``loss = CE_local + lambda * D(E_local, E_global)`` where E is
+the final-layer state of the last token (global features detached, METHODS.md 3.1); D is the
+reference's Frobenius norm over the batch (``l2``, the paper) or ``cosine`` / ``pearson``; lambda 0.5.
+At inference the client uses its local adapter (intra-client), so the mixture weight is 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from training.algorithms.fedit import FedAvgStrategy, train_global
+from training.algorithms.local import fresh_local
+from training.features import feature_distance, last_token
+from training.local_train import train_adapters
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
+from training.runtime import Runtime
+
+
+def fedoa_loss(lam: float, distance: str):  # noqa: ANN201
+    """The FedOA objective as a :data:`training.local_train.LossFn` (local adapter on in the context)."""
+
+    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        out = rt.model(input_ids=ids, attention_mask=mask, labels=batch["labels"], output_hidden_states=True)
+        e_local = last_token(out.hidden_states[-1], mask)  # (B, H)
+        with torch.no_grad(), rt.adapted.context.use(("global",), torch.ones(ids.shape[0], 1), trainable=()):
+            ref = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        e_global = last_token(ref.hidden_states[-1], mask).detach()
+        reg = feature_distance(e_local, e_global, distance)
+        return out.loss + lam * reg, {"reg": float(reg.detach())}
+
+    return loss_fn
+
+
+class FedOAClient(ClientAlgorithm):
+    """Client of FedOA: regularised local step (local alone), then the global step."""
+
+    def __init__(self, lam: float = 0.5, distance: str = "l2") -> None:
+        if lam < 0 or distance not in ("l2", "cosine", "pearson"):
+            raise ValueError(f"FedOA needs lambda >= 0 and distance in l2/cosine/pearson, got {lam}, {distance!r}")
+        self.lam, self.distance = lam, distance
+
+    def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
+        metrics: dict[str, float] = {}
+        rt = ctx.runtime
+        if ins.round > 0:
+            rt.set("global", ins.state)
+            rt.set("local", ctx.private.get("local") or fresh_local(ctx))
+            res = train_adapters(rt, rt.examples(ctx.data), ["local"], ["local"], [1.0],
+                                 seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "local"),
+                                 loss_fn=fedoa_loss(self.lam, self.distance), desc=f"r{ins.round} {ctx.client_id} local")
+            ctx.private["local"] = rt.get("local")
+            metrics.update({f"local_{k}": v for k, v in res.metrics().items()})
+        state, global_metrics = train_global(ins, ctx)
+        metrics.update(global_metrics)
+        return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
+
+
+def _strategy(o: Mapping[str, Any]) -> Strategy:
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+
+
+FEDOA = Method(
+    name="fedoa", strategy=_strategy,
+    client=lambda o: FedOAClient(lam=float(o.get("lambda", 0.5)), distance=str(o.get("distance", "l2"))),
+    has_local=True, inference_weight=1.0, defaults={"lambda": 0.5, "distance": "l2", "weighting": "equal"},
+)

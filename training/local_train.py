@@ -1,0 +1,132 @@
+"""The local training loop shared by every method: adapters to train, adapters mixed in, the data.
+
+As the FedDPA reference's HF Trainer (METHODS.md 2.3): a new optimizer every local run (AdamW, lr 3e-4,
+linear decay, no warm-up), ``local_epochs`` passes (or ``max_steps``), ``batch_size`` per step built from
+``micro_batch_size`` forwards with gradient accumulation, loss only on response tokens. Every random
+choice (shuffling, dropout) comes from the given seed, so a run resumed from a checkpoint repeats the
+uninterrupted run exactly. The forward uses the runtime's adapter context: ``names``/``weights`` say
+which adapters are on, ``trainable`` which of them get gradients (FedDPA-T's frozen global).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from training.data import Example, collate
+from training.runtime import Runtime
+
+# (runtime, batch, names, weights (B, K)) -> (loss, extra scalar metrics); the default is the LM loss.
+LossFn = Callable[[Runtime, dict[str, torch.Tensor], Sequence[str], torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a local run reports: mean loss, steps taken, examples seen, extra metric means."""
+
+    loss: float
+    steps: int
+    examples: int
+    extra: dict[str, float]
+
+    def metrics(self) -> dict[str, float]:
+        """Flat dict for FitRes.metrics."""
+        return {"loss": self.loss, "steps": float(self.steps), **self.extra}
+
+
+def lm_loss(runtime: Runtime, batch: dict[str, torch.Tensor], names: Sequence[str],
+            weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """The causal-LM loss (shifted cross-entropy over response tokens) with the given adapters on."""
+    del names, weights  # already set on the context by the caller
+    out = runtime.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    return out.loss, {}
+
+
+def _optimizer(runtime: Runtime, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    cfg = runtime.train
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr)
+    return torch.optim.SGD(params, lr=cfg.lr)
+
+
+def train_adapters(
+    runtime: Runtime,
+    examples: Sequence[Example],
+    trainable: Sequence[str],
+    names: Sequence[str],
+    weights: Sequence[float],
+    seed: int,
+    loss_fn: LossFn = lm_loss,
+    desc: str = "train",
+    extra_params: Sequence[torch.nn.Parameter] = (),
+) -> TrainResult:
+    """Train ``trainable`` adapters on ``examples`` with adapters ``names`` mixed at ``weights``.
+
+    Args:
+        runtime: the shared model and settings.
+        examples: tokenized local examples.
+        trainable: adapters whose A and B get gradients; the others in ``names`` are detached.
+        names: adapters on in the forward (K of them).
+        weights: their weights (K,), the same for every row.
+        seed: shuffling and dropout seed (derive it from (run seed, round, client)).
+        loss_fn: the objective; the default is the LM loss.
+        desc: progress-bar label.
+        extra_params: further parameters to optimise (e.g. AMoLE token projections).
+    """
+    cfg = runtime.train
+    if not examples:
+        raise ValueError("cannot train on zero examples")
+    torch.manual_seed(seed)  # dropout masks
+    gen = torch.Generator().manual_seed(seed)
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    total = steps_per_epoch * cfg.local_epochs if cfg.max_steps is None else cfg.max_steps
+    adapted = runtime.adapted
+    adapted.set_trainable(trainable)
+    params = adapted.parameters_of(trainable) + list(extra_params)
+    opt = _optimizer(runtime, params)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
+    pad = runtime.tokenizer.pad_token_id
+    w_row = torch.tensor([list(weights)], dtype=torch.float32)
+    losses: list[float] = []
+    extras: dict[str, list[float]] = {}
+    order: list[int] = []
+    runtime.model.train()
+    bar = tqdm(total=total, desc=desc, leave=False, unit="step")
+    try:
+        for step in range(total):
+            if len(order) < cfg.batch_size:
+                order += torch.randperm(len(examples), generator=gen).tolist()
+            idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
+            opt.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for start in range(0, len(idx), cfg.micro_batch_size):
+                micro = [examples[i] for i in idx[start:start + cfg.micro_batch_size]]
+                batch = collate(micro, pad_id=pad)
+                w = w_row.expand(len(micro), -1)
+                with adapted.context.use(tuple(names), w, trainable=tuple(trainable)), runtime.loaded.autocast():
+                    loss, extra = loss_fn(runtime, batch, names, w)
+                (loss * (len(micro) / len(idx))).backward()
+                step_loss += float(loss.detach()) * len(micro) / len(idx)
+                for k, v in extra.items():
+                    extras.setdefault(k, []).append(v)
+            if cfg.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            losses.append(step_loss)
+            bar.set_postfix(loss=f"{step_loss:.3f}")
+            bar.update(1)
+    finally:
+        bar.close()
+        runtime.model.eval()
+        adapted.set_trainable(())
+        for layer in adapted.layers.values():
+            layer.invalidate_cache()
+    return TrainResult(loss=sum(losses) / len(losses), steps=total, examples=len(examples),
+                       extra={k: sum(v) / len(v) for k, v in extras.items()})

@@ -1,0 +1,172 @@
+"""The client/server contract every federated method implements (in the spirit of Flower's strategies).
+
+A method is one module with both halves side by side: a :class:`Strategy` (server: what each selected
+client receives, how uploads are aggregated, what is reported) and a :class:`ClientAlgorithm` (client:
+one local update from what it received, plus an optional final personalization step). The runtime
+(in-process simulator or Flower) moves only :class:`FitIns` and :class:`FitRes` between them; a
+client's private state (its local adapter, history) lives in :class:`ClientContext.private` and never
+leaves the client (paper 000 Table 12: only the global adapter travels).
+
+Round loop (owned by the runtime, not by methods)::
+
+    state = strategy.initial_state(runtime)
+    for r in rounds:
+        ins = strategy.configure_round(r, sampled_clients, state)          # server -> clients
+        results = [client.fit(ins[c], context[c]) for c in sampled]         # on the clients
+        state = strategy.aggregate(r, results, failures, state) or state    # server
+    client.finalize(state, context[c]) for every client                     # personalization
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from training.data import ClientData
+    from training.runtime import Runtime
+
+StateDict = dict[str, torch.Tensor]
+
+
+def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    """Bytes on the wire for a state dict (tensor payload only)."""
+    return int(sum(t.numel() * t.element_size() for t in state.values()))
+
+
+@dataclass(frozen=True)
+class FitIns:
+    """What the server sends one client for one round.
+
+    Attributes:
+        round: the round index (0-based; round 0 is FedDPA-T's global-only round).
+        state: the tensors sent (normally the global adapter, ``{"<path>.lora_A": ...}``).
+        config: per-round settings (learning rate, phase flags) the client must honour.
+    """
+
+    round: int
+    state: StateDict
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FitRes:
+    """What one client uploads after its local update.
+
+    Attributes:
+        client_id: who sent it.
+        state: the uploaded tensors (only what the method shares; never a private adapter).
+        num_examples: local training examples (the ``num_examples`` aggregation weight).
+        metrics: scalars for the log (loss, steps, regulariser values).
+    """
+
+    client_id: str
+    state: StateDict
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClientContext:
+    """Everything a client may touch during ``fit``: its data, the shared runtime, its private state.
+
+    Attributes:
+        client_id: the client.
+        data: its local data (training examples and task).
+        runtime: the base model with injected adapters, tokenizer and training settings.
+        private: named private tensors kept across rounds (persisted by the runtime, never uploaded).
+        seed: the run's seed; methods derive every random choice from (seed, round, client).
+    """
+
+    client_id: str
+    data: ClientData
+    runtime: Runtime
+    private: dict[str, StateDict] = field(default_factory=dict)
+    seed: int = 0
+
+
+class Strategy(ABC):
+    """Server half of a method."""
+
+    @abstractmethod
+    def initial_state(self, runtime: Runtime) -> StateDict:
+        """The state before round 0 (e.g. a freshly initialised global adapter)."""
+
+    def configure_round(self, round_idx: int, clients: list[str], state: StateDict) -> dict[str, FitIns]:
+        """Instructions for each selected client; by default everyone gets the same state."""
+        return {c: FitIns(round=round_idx, state=state) for c in clients}
+
+    @abstractmethod
+    def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
+                  state: StateDict) -> StateDict | None:
+        """New server state from the round's uploads; None keeps ``state`` (nothing to aggregate)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server-side state beyond the tensors (for checkpoints); empty for stateless strategies."""
+        return {}
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` on resume."""
+
+    def summary(self) -> dict[str, Any]:
+        """A short description for run.json and the end-of-run report."""
+        return {}
+
+
+class ClientAlgorithm(ABC):
+    """Client half of a method."""
+
+    @abstractmethod
+    def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
+        """One local update from ``ins``; returns only what the method uploads."""
+
+    def finalize(self, state: StateDict, ctx: ClientContext) -> None:
+        """After the last round: build the client's personalized adapter in ``ctx.private`` (optional)."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method: its two halves, what it produces, and how its clients infer.
+
+    Attributes:
+        name: the CLI name (``fedit``, ``feddpa-t`` ...).
+        strategy: builds the server half from the method options.
+        client: builds the client half from the method options.
+        has_local: clients end with a private ``local`` adapter.
+        inference_weight: FedDPA's lambda: the personalized model mixes (global, local) at
+            ``(1 - a, a)``; 1.0 is the local adapter alone; None: the global alone.
+        defaults: the paper's option values (documented in the method's module).
+        centralized: pool every client's data into one trainer (the Centralized baseline).
+        inference_option: the option whose value overrides ``inference_weight`` (FedDPA's alpha).
+    """
+
+    name: str
+    strategy: Any
+    client: Any
+    has_local: bool = False
+    inference_weight: float | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    centralized: bool = False
+    inference_option: str | None = None
+
+    def mixture_weight(self, options: Mapping[str, Any]) -> float | None:
+        """The local adapter's inference weight under ``options``."""
+        if self.inference_option and self.inference_option in options:
+            return float(options[self.inference_option])
+        return self.inference_weight
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    """A stable 31-bit seed from the run seed and any labels (round, client, phase).
+
+    Every random choice of a run is derived this way, never from a shared generator's position, so a
+    resumed run (or a client run on another machine) draws exactly what the uninterrupted run drew.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

@@ -1,0 +1,156 @@
+"""The client-side runtime: one frozen base model with the ``global`` and ``local`` adapter slots.
+
+Simulated clients share one injected model; before a client trains, the runtime loads the tensors it
+received (global) and its private ones (local) into the two slots. Tokenized examples are cached per
+client. Training settings (the papers' values by default, a ``small`` preset for this CPU) are here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from adapters import AdaptedModel, LoraConfig, inject
+from fedmosaic.models import LoadedModel
+from training.data import IGNORE, ClientData, Example, PromptConfig, tokenize_record
+from training.protocol import StateDict
+
+SLOTS = ("global", "local", "received")  # received: a frozen copy of the round's global (FedMCP)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local training settings (FedDPA paper 000 section 5.1 / METHODS.md 2.3 as defaults).
+
+    Attributes:
+        lr: learning rate (3e-4, AdamW, linear decay inside each local run, no warm-up).
+        batch_size: examples per optimizer step (paper 32).
+        micro_batch_size: examples per forward (gradient accumulation up to ``batch_size``).
+        local_epochs: passes over the local data per round (paper 10).
+        max_steps: cap on optimizer steps per local run (None: epochs decide).
+        cutoff_len: token cutoff per example (512).
+        optimizer: ``adamw``, ``adam`` or ``sgd``.
+        weight_decay: AdamW weight decay (0).
+        max_grad_norm: gradient clipping (None: off).
+        lora: the adapters' LoRA config (r 8, alpha 16, dropout 0.05 on q_proj, v_proj).
+        prompt_style: ``alpaca_short`` (paper) or ``chat``.
+    """
+
+    lr: float = 3e-4
+    batch_size: int = 32
+    micro_batch_size: int = 8
+    local_epochs: int = 10
+    max_steps: int | None = None
+    cutoff_len: int = 512
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    prompt_style: str = "alpaca_short"
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "micro_batch_size", "local_epochs", "cutoff_len"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if self.optimizer not in ("adamw", "adam", "sgd"):
+            raise ValueError(f"TrainConfig.optimizer must be adamw, adam or sgd, got {self.optimizer!r}")
+
+    def asdict(self) -> dict[str, Any]:
+        """JSON-ready settings."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "lora"}
+        out["lora"] = self.lora.asdict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`asdict`."""
+        data = dict(data)
+        raw = data.pop("lora", None)
+        lora = LoraConfig(**{**raw, "target_modules": tuple(raw["target_modules"])}) if raw else LoraConfig()
+        return cls(lora=lora, **data)
+
+
+PRESETS: dict[str, TrainConfig] = {
+    "paper": TrainConfig(),
+    # A few minutes per method on a 2-core CPU with SmolLM2: short cutoff, a few steps per round.
+    "small": TrainConfig(lr=5e-4, batch_size=8, micro_batch_size=8, local_epochs=1, max_steps=6, cutoff_len=192),
+    "tiny": TrainConfig(lr=1e-3, batch_size=4, micro_batch_size=2, local_epochs=1, max_steps=2, cutoff_len=128),
+}
+
+
+def preset(name: str, **overrides: Any) -> TrainConfig:
+    """A named preset with field overrides (None values are ignored)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+class Runtime:
+    """The frozen base model with two adapter slots, shared by every simulated client."""
+
+    def __init__(self, loaded: LoadedModel, train: TrainConfig) -> None:
+        self.loaded = loaded
+        self.train = train
+        self.adapted: AdaptedModel = inject(loaded.model, train.lora.target_modules)
+        for i, name in enumerate(SLOTS):
+            self.adapted.add_adapter(name, train.lora, seed=i)
+        self._examples: dict[tuple[str, int], list[Example]] = {}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.loaded.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    def get(self, name: str) -> StateDict:
+        """A detached copy of adapter ``name``'s tensors."""
+        return {k: v.clone() for k, v in self.adapted.adapter_state(name).items()}
+
+    def set(self, name: str, state: StateDict) -> None:
+        """Load tensors into adapter ``name``."""
+        self.adapted.load_adapter_state(name, state)
+
+    def fresh(self, name: str, seed: int) -> StateDict:
+        """Re-initialise ``name`` with PEFT's init from ``seed`` (B = 0) and return its tensors."""
+        gen = torch.Generator().manual_seed(seed)
+        for _, layer in self.adapted.adapter_layers(name):
+            layer.adapters[name].reset(gen)
+            layer.invalidate_cache()
+        return self.get(name)
+
+    def params(self, name: str) -> dict[str, torch.nn.Parameter]:
+        """Adapter ``name``'s parameters by state key (``<path>.lora_A`` / ``.lora_B``)."""
+        out: dict[str, torch.nn.Parameter] = {}
+        for path, layer in self.adapted.adapter_layers(name):
+            out[f"{path}.lora_A"] = layer.adapters[name].lora_A
+            out[f"{path}.lora_B"] = layer.adapters[name].lora_B
+        return out
+
+    def examples(self, client: ClientData) -> list[Example]:
+        """Tokenized training examples of a client (cached)."""
+        key = (client.client_id, len(client.train))
+        if key not in self._examples:
+            prompt = PromptConfig(self.train.prompt_style)  # type: ignore[arg-type]
+            all_examples = [tokenize_record(r, self.tokenizer, self.train.cutoff_len, prompt) for r in client.train]
+            # A prompt longer than the cutoff leaves no response token to learn from (and a NaN loss).
+            usable = [e for e in all_examples if any(label != IGNORE for label in e.labels)]
+            if not usable:
+                raise ValueError(
+                    f"client {client.client_id!r}: every example is cut before its response at "
+                    f"cutoff_len={self.train.cutoff_len}; raise the cutoff"
+                )
+            if len(usable) < len(all_examples):
+                warnings.warn(f"client {client.client_id!r}: {len(all_examples) - len(usable)} examples have no "
+                              f"response tokens within cutoff_len={self.train.cutoff_len} and are skipped",
+                              stacklevel=2)
+            self._examples[key] = usable
+        return self._examples[key]
