@@ -214,8 +214,8 @@ def load_base_model(
     """Load a frozen causal LM and its tokenizer.
 
     Args:
-        name_or_path: ``smollm2`` (the embedded default), a local HF model folder, or a hub id
-            (only where a network exists).
+        name_or_path: ``smollm2`` (the embedded default), ``tiny`` (a seeded tiny random Llama for
+            smoke runs), a local HF model folder, or a hub id (only where a network exists).
         dtype: ``float32``, ``bfloat16`` or ``autocast-bf16``; defaults to the measured setting.
         cache: cache root for ``smollm2``.
 
@@ -224,6 +224,10 @@ def load_base_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if name_or_path == "tiny":  # the seeded tiny random Llama: identical on every call and machine
+        from fedmosaic.tiny import tiny_llama
+
+        return tiny_llama()
     dtype = dtype or settings.default_dtype()
     if dtype not in settings.DTYPES:
         raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")

@@ -21,7 +21,9 @@ from training.data import Example, collate
 from training.runtime import Runtime
 
 # (runtime, batch, names, weights (B, K)) -> (loss, extra scalar metrics); the default is the LM loss.
-LossFn = Callable[[Runtime, dict[str, torch.Tensor], Sequence[str], torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[
+    [Runtime, dict[str, torch.Tensor], Sequence[str], torch.Tensor], tuple[torch.Tensor, dict[str, float]]
+]
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def train_adapters(
     runtime.model.train()
     bar = tqdm(total=total, desc=desc, leave=False, unit="step")
     try:
-        for step in range(total):
+        for _ in range(total):
             if len(order) < cfg.batch_size:
                 order += torch.randperm(len(examples), generator=gen).tolist()
             idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
@@ -124,6 +126,7 @@ def train_adapters(
             bar.update(1)
     finally:
         bar.close()
+        opt.zero_grad(set_to_none=True)  # no stale gradients linger on shared adapters between clients
         runtime.model.eval()
         adapted.set_trainable(())
         for layer in adapted.layers.values():

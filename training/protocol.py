@@ -109,7 +109,7 @@ class Strategy(ABC):
         """Server-side state beyond the tensors (for checkpoints); empty for stateless strategies."""
         return {}
 
-    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Restore :meth:`state_dict` on resume."""
 
     def summary(self) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class ClientAlgorithm(ABC):
     def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
         """One local update from ``ins``; returns only what the method uploads."""
 
-    def finalize(self, state: StateDict, ctx: ClientContext) -> None:
+    def finalize(self, state: StateDict, ctx: ClientContext) -> None:  # noqa: B027 - optional hook
         """After the last round: build the client's personalized adapter in ``ctx.private`` (optional)."""
 
 

@@ -54,7 +54,8 @@ class FedOAClient(ClientAlgorithm):
             rt.set("local", ctx.private.get("local") or fresh_local(ctx))
             res = train_adapters(rt, rt.examples(ctx.data), ["local"], ["local"], [1.0],
                                  seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "local"),
-                                 loss_fn=fedoa_loss(self.lam, self.distance), desc=f"r{ins.round} {ctx.client_id} local")
+                                 loss_fn=fedoa_loss(self.lam, self.distance),
+                                 desc=f"r{ins.round} {ctx.client_id} local")
             ctx.private["local"] = rt.get("local")
             metrics.update({f"local_{k}": v for k, v in res.metrics().items()})
         state, global_metrics = train_global(ins, ctx)
