@@ -120,7 +120,12 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), generat
     grid: dict[str, dict[str, Scores]] = {}
     from tqdm.auto import tqdm
 
-    jobs = [(key, task) for key in specs for task in dataset.tasks]
+    # Keys with the same adapters and weights (e.g. every FedIT client = the global model) share one
+    # set of generations: the first such key is generated, the others reuse its predictions.
+    canonical: dict[str, str] = {}
+    for key, spec in specs.items():
+        canonical[key] = next(k for k, v in specs.items() if v == spec)
+    jobs = [(key, task) for key in specs for task in dataset.tasks if canonical[key] == key]
     for key, task in tqdm(jobs, desc="eval", unit="set"):
         names, weights = specs[key]
         records = list(dataset.tests[task])[: opts.limit]
@@ -129,6 +134,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), generat
                            lambda ps, n=names, w=weights: fn(ps, n, [w] * len(ps) if n else []),
                            batch_size=opts.batch_size)
         grid.setdefault(key, {})[task] = score(preds, [r.output for r in records])
+    for key in specs:
+        grid[key] = grid[canonical[key]]
     summary = _write_outputs(run, cfg, dataset, clients, grid, opts)
     if opts.per_round:
         summary["per_round"] = _per_round(run, dataset, opts, fn, cache)
