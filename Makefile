@@ -24,7 +24,8 @@ quickstart: venv
 
 test: venv
 	$(VENV)/bin/lint-imports --config pyproject.toml
-	$(PY) -m pytest -q
+	$(VENV)/bin/ruff check .
+	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -209,3 +209,7 @@ def run_flower_simulation(config: FlowerConfig, num_clients: int) -> RunDir:
 
 
 __all__ = ["FlowerConfig", "make_client_app", "make_server_app", "run_flower_simulation", "TrainConfig"]
+
+# Entry points for `flwr run` (components in pyproject's [tool.flwr.app]): settings from --run-config.
+server_app = make_server_app()
+client_app = make_client_app()
