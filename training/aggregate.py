@@ -18,7 +18,10 @@ Weighting = Literal["equal", "num_examples"]
 
 
 def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> StateDict | None:
-    """Return ``sum_i w_i s_i / sum_i w_i`` key by key (fp32 accumulation, original dtype kept).
+    """Return ``sum_i w_i s_i / sum_i w_i`` key by key (original dtype kept).
+
+    Accumulation is in float64, so averaging identical states returns them bit for bit (an fp32 sum of
+    weighted copies can be off by an ulp), and the fp32 result does not change with the upload order.
 
     Raises:
         ValueError: keys or shapes differ between states, weights are negative, or they sum to 0.
@@ -38,11 +41,11 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
     out: StateDict = {}
     for key in states[0]:
         ref = states[0][key]
-        acc = torch.zeros(ref.shape, dtype=torch.float32)
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
         for s, w in zip(states, weights, strict=True):
             if s[key].shape != ref.shape:
                 raise ValueError(f"{key}: shape {tuple(s[key].shape)} differs from {tuple(ref.shape)}")
-            acc += s[key].detach().float() * (w / total)
+            acc += s[key].detach().cpu().double() * (w / total)
         out[key] = acc.to(ref.dtype)
     return out
 

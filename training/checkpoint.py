@@ -34,7 +34,7 @@ def _save(path: Path, state: StateDict) -> None:
 
 def save_round(
     run: RunDir, round_idx: int, server: StateDict, strategy: dict[str, Any], private: dict[str, dict[str, StateDict]],
-    lora: LoraConfig, base_model: str,
+    lora: LoraConfig, base_model: str, peft_global: bool = True,
 ) -> Path:
     """Write round ``round_idx``'s checkpoint and mark it complete."""
     folder = run.round_dir(round_idx)
@@ -42,7 +42,7 @@ def save_round(
         shutil.rmtree(folder)  # an incomplete earlier attempt at this round
     folder.mkdir(parents=True)
     _save(folder / "server.safetensors", server)
-    if server:
+    if server and peft_global:
         write_adapter_folder(folder / "global", lora, server, base_model)
     (folder / "strategy.json").write_text(json.dumps(strategy))
     for client, named in private.items():

@@ -18,7 +18,11 @@ import torch
 from tqdm.auto import tqdm
 
 from training.data import Example, collate
-from training.runtime import Runtime
+from training.runtime import PRESETS, Runtime, TrainConfig, preset
+
+# TrainConfig and its presets live with the runtime (which owns the adapters' LoRA config); they are
+# re-exported here because this is where a method author looks for the training settings.
+__all__ = ["PRESETS", "LossFn", "TrainConfig", "TrainResult", "lm_loss", "preset", "train_adapters"]
 
 # (runtime, batch, names, weights (B, K)) -> (loss, extra scalar metrics); the default is the LM loss.
 LossFn = Callable[
@@ -94,7 +98,8 @@ def train_adapters(
     opt = _optimizer(runtime, params)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
     pad = runtime.tokenizer.pad_token_id
-    w_row = torch.tensor([list(weights)], dtype=torch.float32)
+    w_row = torch.tensor([list(weights)], dtype=torch.float32).reshape(1, len(names))
+    in_forward = tuple(t for t in trainable if t in names)  # AMoLE routes inside the loss instead
     losses: list[float] = []
     extras: dict[str, list[float]] = {}
     order: list[int] = []
@@ -111,7 +116,7 @@ def train_adapters(
                 micro = [examples[i] for i in idx[start:start + cfg.micro_batch_size]]
                 batch = collate(micro, pad_id=pad)
                 w = w_row.expand(len(micro), -1)
-                with adapted.context.use(tuple(names), w, trainable=tuple(trainable)), runtime.loaded.autocast():
+                with adapted.context.use(tuple(names), w, trainable=in_forward), runtime.loaded.autocast():
                     loss, extra = loss_fn(runtime, batch, names, w)
                 (loss * (len(micro) / len(idx))).backward()
                 step_loss += float(loss.detach()) * len(micro) / len(idx)

@@ -14,6 +14,7 @@ Round loop (owned by the runtime, not by methods)::
         ins = strategy.configure_round(r, sampled_clients, state)          # server -> clients
         results = [client.fit(ins[c], context[c]) for c in sampled]         # on the clients
         state = strategy.aggregate(r, results, failures, state) or state    # server
+        strategy.evaluate(r, state)                                         # optional
     client.finalize(state, context[c]) for every client                     # personalization
 """
 
@@ -69,6 +70,11 @@ class FitRes:
     num_examples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
 
+    @property
+    def bytes(self) -> int:
+        """Upload size in bytes (tensor payload of ``state``; 0 for methods that share nothing)."""
+        return state_bytes(self.state)
+
 
 @dataclass
 class ClientContext:
@@ -104,6 +110,11 @@ class Strategy(ABC):
     def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
                   state: StateDict) -> StateDict | None:
         """New server state from the round's uploads; None keeps ``state`` (nothing to aggregate)."""
+
+    def evaluate(self, round_idx: int, state: StateDict) -> dict[str, float] | None:
+        """Optional server-side evaluation after aggregation; its scalars go to the round's metrics row."""
+        del round_idx, state
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Server-side state beyond the tensors (for checkpoints); empty for stateless strategies."""
@@ -142,6 +153,8 @@ class Method:
         defaults: the paper's option values (documented in the method's module).
         centralized: pool every client's data into one trainer (the Centralized baseline).
         inference_option: the option whose value overrides ``inference_weight`` (FedDPA's alpha).
+        export: writes the final model in a method-specific layout ``(run, runtime, state, strategy)``
+            instead of the global/local PEFT folders (FedAMoLE's experts and assignments).
     """
 
     name: str
@@ -152,6 +165,7 @@ class Method:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     centralized: bool = False
     inference_option: str | None = None
+    export: Any = None
 
     def mixture_weight(self, options: Mapping[str, Any]) -> float | None:
         """The local adapter's inference weight under ``options``."""

@@ -29,7 +29,7 @@ from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 from training.algorithms import get_method
 from training.checkpoint import last_complete, load_round, save_round
-from training.data import ClientData, FederatedDataset, prompt_texts, sample_clients
+from training.data import ClientData, FederatedDataset, PromptConfig, prompt_texts, sample_clients
 from training.protocol import ClientContext, FitRes, StateDict, derive_seed, state_bytes
 from training.runtime import Runtime, TrainConfig
 
@@ -103,16 +103,30 @@ def _run_config(method: str, sim: SimConfig, train: TrainConfig, options: dict, 
 
 
 def run_federated(
-    method: str, dataset: FederatedDataset, loaded: LoadedModel, out_dir: str | Path, sim: SimConfig,
+    method: str, dataset: FederatedDataset, loaded: LoadedModel, out_dir: str | Path, sim: SimConfig | int,
     train: TrainConfig, options: dict[str, Any] | None = None, resume: bool = False,
     data_spec: str = "custom", data_options: dict[str, Any] | None = None, model_name: str | None = None,
 ) -> RunSummary:
     """Train ``method`` on ``dataset`` and write a run directory (see :mod:`adapters.rundir`).
 
+    Args:
+        method: a registered method name (:data:`training.algorithms.ALGORITHMS`).
+        dataset: the clients and their data.
+        loaded: the frozen base model; adapters are injected into it.
+        out_dir: the run directory.
+        sim: round-loop settings, or just the number of rounds (every other setting at its default).
+        train: local training settings (``training.runtime.preset("small")`` on a CPU).
+        options: method options over the method's defaults (``alpha``, ``mu``, ``weighting`` ...).
+        resume: continue from the last complete round of ``out_dir``.
+        data_spec: the data set spec recorded in run.json (evaluation reloads the test sets from it).
+        data_options: the loader's options recorded beside it.
+        model_name: the base model recorded in run.json (default: the loaded model's name).
+
     Raises:
         FileExistsError: ``out_dir`` already holds a run and ``resume`` is False (never overwritten).
         ValueError: resuming a run made with other settings.
     """
+    sim = SimConfig(rounds=sim) if isinstance(sim, int) else sim
     m = get_method(method)
     opts = {**m.defaults, **(options or {}), "seed": sim.seed}
     run = RunDir(Path(out_dir))
@@ -126,9 +140,8 @@ def run_federated(
         for key in ("method", "data", "seed", "model", "train", "options", "data_options"):
             if json.dumps(old.get(key), sort_keys=True) != json.dumps(config.get(key), sort_keys=True):
                 raise ValueError(f"cannot resume {run.root}: its {key} is {old.get(key)!r}, now {config.get(key)!r}")
-    else:
-        run.root.mkdir(parents=True, exist_ok=True)
-        run.run_json.write_text(json.dumps(config, indent=2))
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.run_json.write_text(json.dumps(config, indent=2))  # a resume may extend the rounds: record the new count
     if m.centralized:
         pooled = tuple(r for c in dataset.clients for r in c.train)
         dataset = FederatedDataset(dataset.name, (ClientData("all", "all", pooled),), dataset.tests)
@@ -148,6 +161,7 @@ def run_federated(
     up = down = 0
     bar = tqdm(range(start, sim.rounds), desc=f"{m.name} rounds", unit="round", initial=start, total=sim.rounds)
     for r in bar:
+        round_began, round_up, round_down = time.perf_counter(), 0, 0
         selected = select_clients(dataset, sim, r)
         instructions = strategy.configure_round(r, selected, state)
         results: list[FitRes] = []
@@ -166,24 +180,34 @@ def run_federated(
                     raise TimeoutError(f"took {seconds:.1f} s > limit {sim.client_timeout_s} s")
             except Exception as exc:  # noqa: BLE001 - any client error is that client's, not the run's
                 private[cid] = before
-                failures.append((cid, f"{type(exc).__name__}: {exc}"))
-                logger.warning("round %d: client %s left out: %s", r, cid, exc)
-                _log(run, {"round": r, "client": cid, "status": "failed", "error": str(exc)})
+                error = f"{type(exc).__name__}: {exc}"
+                failures.append((cid, error))
+                logger.warning("round %d: client %s left out: %s", r, cid, error)
+                _log(run, {"round": r, "client": cid, "status": "failed", "error": error,
+                           "seconds": round(time.perf_counter() - began, 3)})
                 continue
             results.append(res)
             b_down, b_up = state_bytes(ins.state), state_bytes(res.state)
             down, up = down + b_down, up + b_up
+            round_down, round_up = round_down + b_down, round_up + b_up
             _log(run, {"round": r, "client": cid, "status": "ok", "num_examples": res.num_examples,
                        "bytes_down": b_down, "bytes_up": b_up, "seconds": round(seconds, 3), **res.metrics})
         new = strategy.aggregate(r, results, failures, state)
         state = new if new is not None else state
+        server_metrics = strategy.evaluate(r, state) or {}
         mean_loss = sum(x.metrics.get("loss", 0.0) for x in results) / max(1, len(results))
         losses.append(mean_loss)
         failures_all += [(r, c, e) for c, e in failures]
-        save_round(run, r, state, strategy.state_dict(), private, train.lora, loaded.name)
-        _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures), "loss": mean_loss})
+        save_round(run, r, state, strategy.state_dict(), private, train.lora, loaded.name,
+                   peft_global=m.export is None)
+        _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures), "loss": mean_loss,
+                   "bytes_up": round_up, "bytes_down": round_down,
+                   "seconds": round(time.perf_counter() - round_began, 3), **server_metrics})
         bar.set_postfix(loss=f"{mean_loss:.3f}", failed=len(failures))
-    _finish(run, m, dataset, rt, client_alg, state, private, sim, train, loaded)
+    if m.export is not None:
+        m.export(run, rt, state, strategy)
+    else:
+        _finish(run, m, dataset, rt, client_alg, state, private, sim, train, loaded)
     summary = RunSummary(str(run.root), m.name, sim.rounds, losses, up, down, failures_all,
                          round(time.perf_counter() - t0, 2))
     (run.root / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
@@ -202,7 +226,9 @@ def _finish(run: RunDir, m, dataset, rt, client_alg, state, private, sim, train,
             write_adapter_folder(run.local_adapter(cid), train.lora, named["local"], loaded.name)
     if sim.embed and state and m.has_local:
         for c in tqdm(dataset.clients, desc="embeddings", unit="client", leave=False):
-            vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompt_texts(c.train), ("global",),
+            # the prompts exactly as training formatted them, so serving's request embedding matches
+            prompts = prompt_texts(c.train, rt.tokenizer, PromptConfig(train.prompt_style))  # type: ignore[arg-type]
+            vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",),
                                  autocast=rt.loaded.autocast)
             EmbeddingIndex(vecs).save(run.client_dir(c.client_id))
 

@@ -4,6 +4,7 @@ Adding a method means adding a module that defines a :class:`training.protocol.M
 here.
 """
 
+from training.algorithms.fedamole import FEDAMOLE
 from training.algorithms.feddpa import FEDDPA_F, FEDDPA_T
 from training.algorithms.fedit import CENTRALIZED, FEDIT, FEDPROX
 from training.algorithms.fedmcp import FEDMCP
@@ -12,7 +13,7 @@ from training.algorithms.local import FEDLORA, LOCAL
 from training.protocol import Method
 
 ALGORITHMS: dict[str, Method] = {
-    m.name: m for m in (LOCAL, CENTRALIZED, FEDIT, FEDPROX, FEDLORA, FEDDPA_F, FEDDPA_T, FEDOA, FEDMCP)
+    m.name: m for m in (LOCAL, CENTRALIZED, FEDIT, FEDPROX, FEDLORA, FEDDPA_F, FEDDPA_T, FEDOA, FEDMCP, FEDAMOLE)
 }
 
 

@@ -1,0 +1,120 @@
+"""The simulator on the tiny model: resume with private state, timeouts, per-round rows, sampling, embeddings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adapters import read_adapter_folder
+from adapters.rundir import RunDir
+from fedmosaic.tiny import tiny_llama
+from routing.embedding import embed_prompts
+from training.data import PromptConfig, generate_suite, prompt_texts, split_tasks
+from training.runtime import Runtime, preset
+from training.simulation import SimConfig, run_federated, select_clients
+
+FAMILIES = ["sorting", "capitals"]
+DATA = generate_suite(n_train=5, n_test=1, families=FAMILIES)
+TRAIN = preset("tiny")
+
+
+def _run(method: str, out: Path, rounds: int, resume: bool = False, **sim: object) -> RunDir:
+    run_federated(method, DATA, tiny_llama(), out, SimConfig(rounds=rounds, **sim), TRAIN, resume=resume,
+                  data_spec="generated", data_options={"n_train": 5, "n_test": 1, "families": FAMILIES})
+    return RunDir(out)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _rows(run: RunDir) -> list[dict]:
+    return [json.loads(x) for x in run.metrics.read_text().splitlines()]
+
+
+def test_fedmcp_resume_after_round_one_equals_a_straight_two_round_run(tmp_path: Path) -> None:
+    straight = _run("fedmcp", tmp_path / "straight", rounds=2)
+    _run("fedmcp", tmp_path / "cut", rounds=1)
+    resumed = _run("fedmcp", tmp_path / "cut", rounds=2, resume=True)
+    a, b = _tensors(straight.global_adapter), _tensors(resumed.global_adapter)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for c in DATA.client_ids:  # the private adapters went through the checkpoint too
+        la, lb = _tensors(straight.local_adapter(c)), _tensors(resumed.local_adapter(c))
+        assert all(torch.equal(la[k], lb[k]) for k in la)
+    assert resumed.read_config()["rounds"] == 2  # run.json follows the extended run
+    per_client = [(x["round"], x["client"]) for x in _rows(resumed) if "client" in x]
+    assert sorted(per_client) == sorted(set(per_client)) and len(per_client) == 2 * len(DATA.client_ids)
+    assert [x["loss"] for x in _rows(resumed) if x.get("aggregate")] == \
+           [x["loss"] for x in _rows(straight) if x.get("aggregate")]
+
+
+def test_every_client_over_the_soft_timeout_leaves_the_global_unchanged(tmp_path: Path) -> None:
+    run = _run("fedit", tmp_path / "t", rounds=1, client_timeout_s=0.0, embed=False)
+    rows = _rows(run)
+    assert {x["client"] for x in rows if x.get("status") == "failed"} == set(DATA.client_ids)
+    assert all("TimeoutError" in x["error"] for x in rows if x.get("status") == "failed")
+    agg = [x for x in rows if x.get("aggregate")]
+    assert agg[0]["clients"] == 0 and agg[0]["failed"] == 2 and (run.round_dir(0) / "COMPLETE").is_file()
+    init = Runtime(tiny_llama(), TRAIN)
+    from training.algorithms import get_method
+
+    fresh = get_method("fedit").strategy({"seed": 0}).initial_state(init)
+    saved = load_file(str(run.round_dir(0) / "server.safetensors"))
+    bad = [k for k in fresh if not torch.equal(fresh[k], saved[k])]
+    assert not bad, (bad[:3], [float((fresh[k] - saved[k]).abs().max()) for k in bad[:3]])  # state kept
+    summary = json.loads((run.root / "summary.json").read_text())
+    assert len(summary["failures"]) == 2
+
+
+def test_round_rows_carry_bytes_and_duration_and_only_the_global_travels(tmp_path: Path) -> None:
+    run = _run("feddpa-t", tmp_path / "d", rounds=2, embed=False)
+    cfg = run.read_config()
+    assert cfg["inference_weight"] == 0.5 and cfg["method"] == "feddpa-t" and cfg["seed"] == 0
+    global_bytes = sum(t.numel() * t.element_size() for t in _tensors(run.global_adapter).values())
+    rows = _rows(run)
+    for x in rows:
+        if x.get("status") == "ok":
+            assert x["bytes_up"] == x["bytes_down"] == global_bytes and x["seconds"] >= 0
+            assert np.isfinite(x["loss"]) and x["num_examples"] == 5
+        if x.get("aggregate"):
+            assert x["bytes_up"] == x["bytes_down"] == 2 * global_bytes and x["seconds"] > 0
+    assert any("local_loss" in x for x in rows if x.get("round") == 1 and "client" in x)
+    assert not any("local_loss" in x for x in rows if x.get("round") == 0 and "client" in x)
+    local = _run("local", tmp_path / "l", rounds=1, embed=False)
+    assert all(x["bytes_up"] == x["bytes_down"] == 0 for x in _rows(local) if "bytes_up" in x)
+
+
+def test_client_sampling_is_deterministic_per_round() -> None:
+    many = split_tasks(generate_suite(n_train=4, n_test=1, families=["sorting", "capitals", "date_format"]), 2)
+    sim = SimConfig(rounds=3, fraction=0.5, seed=7)
+    rounds = [select_clients(many, sim, r) for r in range(3)]
+    assert rounds == [select_clients(many, sim, r) for r in range(3)]
+    assert all(len(r) == 3 for r in rounds) and len({tuple(r) for r in rounds}) > 1
+    per_task = SimConfig(rounds=1, sample_rate=0.5, seed=7)
+    chosen = select_clients(many, per_task, 0)
+    assert sorted({many.client(c).task for c in chosen}) == sorted(["sorting", "capitals", "date_format"])
+    with pytest.raises(ValueError, match="fraction"):
+        SimConfig(fraction=0.0)
+
+
+def test_saved_embeddings_are_the_global_adapters_last_token_states(tmp_path: Path) -> None:
+    import faiss
+
+    run = _run("feddpa-f", tmp_path / "e", rounds=1)
+    rt = Runtime(tiny_llama(), TRAIN)
+    _, state, _ = read_adapter_folder(run.global_adapter)
+    rt.set("global", state)
+    for c in DATA.clients:
+        saved = np.load(run.embeddings(c.client_id))
+        index = faiss.read_index(str(run.client_dir(c.client_id) / "embeddings.faiss"))
+        assert saved.shape[0] == index.ntotal == len(c.train)
+        prompts = prompt_texts(c.train[:2], rt.tokenizer, PromptConfig(TRAIN.prompt_style))
+        again = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
+        assert np.allclose(saved[:2], again, atol=1e-4)
+        sims, idx = index.search(again[:1] / np.linalg.norm(again[:1]), 1)
+        assert idx[0, 0] == 0 and sims[0, 0] == pytest.approx(1.0, abs=1e-4)  # unit vectors, inner product

@@ -1,0 +1,243 @@
+"""FedAMoLE (paper 002): adaptive mixture of LoRA experts with reverse-selection expert assignment.
+
+Per round (METHODS.md 1.6 order): each client receives its assigned domain experts per module, the
+shared expert and the token projections; trains them with AMoLE routing and the load-balance loss
+(NLL + 0.001 * sum over modules of the Switch loss, 1.3); then embeds its embedding set (5 % of its
+data, at most 200 examples) to upload the client embedding and its experts' embeddings (1.4). The
+server averages the token projections and the shared expert over all clients and each domain expert
+over its holders (1.6), scores relevance between server expert embeddings and client embeddings, and
+solves the assignment MILP (1.5) for the next round; round 0 uses random scores.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from adapters.amole import load_balance_loss
+from adapters.amole_layer import SHARED, add_amole_experts, expert_name
+from adapters.context import AMoLERouting
+from training.data import collate
+from training.local_train import train_adapters
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.rsea import AMoLEConfig, assign_experts, mean_over_holders, relevance_scores, scores_source
+from training.rsea_embed import EmbeddingAccumulator
+from training.runtime import Runtime
+
+EMB = "emb."
+
+
+def ensure_experts(rt: Runtime, cfg: AMoLEConfig, seed: int) -> None:
+    """Inject the expert pool, shared expert and token projections once per runtime."""
+    if expert_name(0) not in rt.adapted.configs:
+        add_amole_experts(rt.adapted, cfg.num_experts, rt.train.lora, seed=seed, shared=cfg.shared_expert)
+
+
+def full_state(rt: Runtime) -> StateDict:
+    """Every expert's A/B and every token projection, keyed ``<path>.<expert>.lora_A`` / ``<path>.token_proj``."""
+    state: StateDict = {}
+    for path, layer in rt.adapted.layers.items():
+        for name, adapter in layer.adapters.items():
+            if name.startswith("expert_"):
+                state[f"{path}.{name}.lora_A"] = adapter.lora_A.detach().clone()
+                state[f"{path}.{name}.lora_B"] = adapter.lora_B.detach().clone()
+        if layer.token_proj is not None:
+            state[f"{path}.token_proj"] = layer.token_proj.detach().clone()
+    return state
+
+
+def load_state(rt: Runtime, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy the given subset of :func:`full_state` tensors into the model."""
+    with torch.no_grad():
+        for key, value in state.items():
+            if key.startswith(EMB):
+                continue
+            if key.endswith(".token_proj"):
+                proj = rt.adapted.layers[key[: -len(".token_proj")]].token_proj
+                assert proj is not None
+                proj.copy_(value)
+                continue
+            path, name, which = key.rsplit(".", 2)
+            getattr(rt.adapted.layers[path].adapters[name], which).copy_(value)
+    for layer in rt.adapted.layers.values():
+        layer.invalidate_cache()
+
+
+def subset(state: Mapping[str, torch.Tensor], assignment: Mapping[str, list[int]], shared: bool) -> StateDict:
+    """What one client receives/uploads: its experts per module, the shared expert, the projections."""
+    keep: StateDict = {}
+    for key, value in state.items():
+        if key.endswith(".token_proj"):
+            keep[key] = value
+            continue
+        path, name, _ = key.rsplit(".", 2)
+        if (shared and name == SHARED) or (name != SHARED and int(name.split("_")[1]) in assignment.get(path, [])):
+            keep[key] = value
+    return keep
+
+
+class FedAMoLEStrategy(Strategy):
+    """Server: aggregate over holders, then reverse-selection expert assignment (RSEA)."""
+
+    def __init__(self, cfg: AMoLEConfig, seed: int = 0) -> None:
+        self.cfg, self.seed = cfg, seed
+        self.assignment: dict[str, dict[str, list[int]]] | None = None
+        self.scores: dict[str, list[list[float]]] | None = None
+
+    def initial_state(self, runtime: Runtime) -> StateDict:
+        ensure_experts(runtime, self.cfg, self.seed)
+        return full_state(runtime)
+
+    def _assign(self, round_idx: int, clients: list[str], modules: list[str]) -> None:
+        source = scores_source(self.cfg, round_idx)
+        if source == "keep" and self.assignment is not None:
+            return
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "rsea", round_idx))
+        scores = None if source == "random" or self.scores is None else {
+            m: torch.tensor(v) for m, v in self.scores.items()}
+        self.assignment = assign_experts(scores, self.cfg, clients, modules, gen)
+
+    def configure_round(self, round_idx: int, clients: list[str], state: StateDict) -> dict[str, FitIns]:
+        modules = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".token_proj")})
+        if self.assignment is None or scores_source(self.cfg, round_idx) != "keep":
+            self._assign(round_idx, clients, modules)
+        missing = set(clients) - set(next(iter(self.assignment.values())))  # type: ignore[union-attr]
+        if missing:
+            raise ValueError(f"FedAMoLE assigns experts to all clients every round; {sorted(missing)} were not "
+                             "part of the assignment (use fraction 1)")
+        assert self.assignment is not None
+        out = {}
+        for c in clients:
+            mine = {m: self.assignment[m][c] for m in modules}
+            out[c] = FitIns(round_idx, subset(state, mine, self.cfg.shared_expert), {"assignment": mine})
+        return out
+
+    def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
+                  state: StateDict) -> StateDict | None:
+        if not results:
+            return None
+        uploads = {r.client_id: {k: v for k, v in r.state.items() if not k.startswith(EMB)} for r in results}
+        new = dict(state)
+        new.update(mean_over_holders(uploads))
+        self._relevance(results)
+        return new
+
+    def _relevance(self, results: list[FitRes]) -> None:
+        """Relevance of every expert to every client per module (eq. 18-20), for the next assignment."""
+        clients = [r.client_id for r in results]
+        per_client_expert = {r.client_id: {k: v for k, v in r.state.items() if k.startswith(EMB) and ".expert_" in k}
+                             for r in results}
+        expert_emb = mean_over_holders(per_client_expert)  # eq. 18: mean over holders
+        self.scores = {}
+        modules = sorted({k[len(EMB):].rsplit(".", 1)[0] for r in results for k in r.state if k.endswith(".client")})
+        for m in modules:
+            r_dim = results[0].state[f"{EMB}{m}.client"].shape[-1]
+            E = torch.stack([expert_emb.get(f"{EMB}{m}.{expert_name(j)}", torch.zeros(r_dim))
+                             for j in range(self.cfg.num_experts)])  # (N_e, r)
+            C = torch.stack([r.state[f"{EMB}{m}.client"] for r in results])  # (N_c, r)
+            self.scores[m] = relevance_scores(E.double(), C.double()).tolist()
+        if self.assignment and set(clients) != set(next(iter(self.assignment.values()))):
+            self.scores = None  # a client failed: its column is missing, fall back to random scores
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"assignment": self.assignment, "scores": self.scores}
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        self.assignment = data.get("assignment")
+        self.scores = data.get("scores")
+
+    def summary(self) -> dict[str, Any]:
+        return {"amole": json.loads(json.dumps(self.cfg.__dict__))}
+
+
+class FedAMoLEClient(ClientAlgorithm):
+    """Client: train assigned experts + shared + projections with AMoLE routing, then embed."""
+
+    def __init__(self, cfg: AMoLEConfig, seed: int = 0) -> None:
+        self.cfg, self.seed = cfg, seed
+
+    def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
+        rt, cfg = ctx.runtime, self.cfg
+        ensure_experts(rt, cfg, self.seed)
+        load_state(rt, ins.state)
+        assignment: dict[str, list[int]] = {m: list(v) for m, v in ins.config["assignment"].items()}
+        held = sorted({expert_name(j) for ids in assignment.values() for j in ids})
+        trainable = held + ([SHARED] if cfg.shared_expert else [])
+        projs = [layer.token_proj for layer in rt.adapted.layers.values() if layer.token_proj is not None]
+        for p in projs:
+            p.requires_grad_(True)
+
+        def loss_fn(rt_: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+            rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long)
+            routing = AMoLERouting(groups=(assignment,), row_group=rows, top_k=cfg.top_k, shared=cfg.shared_expert)
+            with rt_.adapted.context.route_amole(routing):
+                out = rt_.model(**batch)
+            lb = torch.stack([load_balance_loss(g, idx) for _, g, idx in routing.stats]).sum()  # summed over modules
+            return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
+
+        try:
+            res = train_adapters(rt, rt.examples(ctx.data), trainable, (), (), seed=derive_seed(ctx.seed, ins.round,
+                                 ctx.client_id, "amole"), loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} amole",
+                                 extra_params=projs)
+        finally:
+            for p in projs:
+                p.requires_grad_(False)
+        upload = subset(full_state(rt), assignment, cfg.shared_expert)
+        upload.update(self._embeddings(rt, ctx, assignment))
+        return FitRes(ctx.client_id, upload, len(ctx.data.train), res.metrics())
+
+    def _embeddings(self, rt: Runtime, ctx: ClientContext, assignment: dict[str, list[int]]) -> StateDict:
+        """Client and expert embeddings over the embedding set (eq. 17, 19)."""
+        examples = rt.examples(ctx.data)
+        n = min(200, max(1, len(examples) // 20))
+        gen = torch.Generator().manual_seed(derive_seed(ctx.seed, "emb", ctx.client_id))
+        order = torch.randperm(len(examples), generator=gen)
+        accs: dict[str, EmbeddingAccumulator] = {}
+        for start in range(0, n, rt.train.micro_batch_size):
+            batch = collate([examples[i] for i in order[start:min(n, start + rt.train.micro_batch_size)].tolist()],
+                            pad_id=rt.tokenizer.pad_token_id)
+            mask = batch["attention_mask"].bool()
+
+            def observe(path, g, h, P, A, mask=mask):  # noqa: ANN001, ANN202
+                accs.setdefault(path, EmbeddingAccumulator()).add(h, P, A, mask)
+
+            routing = AMoLERouting(groups=(assignment,), row_group=torch.zeros(mask.shape[0], dtype=torch.long),
+                                   top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe)
+            with torch.inference_mode(), rt.adapted.context.route_amole(routing):
+                rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out: StateDict = {}
+        for path, acc in accs.items():
+            c, e = acc.result()
+            out[f"{EMB}{path}.client"] = c.float()
+            for row, j in enumerate(assignment[path]):
+                out[f"{EMB}{path}.{expert_name(j)}"] = e[row].float()
+        return out
+
+
+def _cfg(o: Mapping[str, Any]) -> AMoLEConfig:
+    keys = AMoLEConfig.__dataclass_fields__
+    return AMoLEConfig(**{k: v for k, v in o.items() if k in keys})
+
+
+def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> None:  # noqa: ANN001
+    """Write the experts, token projections and each client's final assignment (``adapters/amole``)."""
+    from adapters.amole_io import save_amole
+
+    load_state(rt, state)
+    per_client: dict[str, dict[str, list[int]]] = {}
+    for module, clients in (strategy.assignment or {}).items():
+        for client, ids in clients.items():
+            per_client.setdefault(client, {})[module] = ids
+    save_amole(rt.adapted, run.amole, strategy.cfg.num_experts, per_client, top_k=strategy.cfg.top_k)
+
+
+FEDAMOLE = Method(
+    name="fedamole", strategy=lambda o: FedAMoLEStrategy(_cfg(o), int(o.get("seed", 0))),
+    client=lambda o: FedAMoLEClient(_cfg(o), int(o.get("seed", 0))),
+    defaults={"num_experts": 30, "expert_choices": 2, "top_k": 2, "min_experts": 2, "max_experts": 8,
+              "load_balance_alpha": 0.001, "assignment": "rsea"},
+    export=export,
+)
