@@ -79,6 +79,10 @@ class AdapterWeights:
     weights: torch.Tensor
     trainable: frozenset[str] | None = None
     amole: AMoLERouting | None = None
+    # Per-forward memo shared by every layer: which adapters are dense or gathered, the gather
+    # indices and coefficients. Computed by the first layer, reused by the other 59 (decode steps
+    # are dominated by this bookkeeping otherwise).
+    plans: dict[tuple[object, ...], object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(set(self.names)) != len(self.names):

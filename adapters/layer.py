@@ -13,6 +13,7 @@ Paths, chosen per forward from the weights:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,6 +22,23 @@ from adapters.amole_layer import amole_layer_forward
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext, AdapterWeights
 from adapters.functional import gathered_lora_delta, lora_delta, slot_usage, stack_padded, weight_column
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one forward applies its adapters (identical in every layer holding the same adapters).
+
+    Attributes:
+        dense: (slot k, weight column broadcastable to (B, T, 1)) for adapters used by every row.
+        gathered: names of adapters used by some rows only.
+        rows, local: (N,) the (row, gathered index) pairs; coef (N, 1, 1) or (N, T, 1): weight x scaling.
+    """
+
+    dense: list[tuple[int, torch.Tensor]]
+    gathered: tuple[str, ...]
+    rows: torch.Tensor | None
+    local: torch.Tensor | None
+    coef: torch.Tensor | None
 
 
 class LoraAdapter(nn.Module):
@@ -158,31 +176,44 @@ class MultiLoraLinear(nn.Module):
         present = [k for k, n in enumerate(state.names) if n in self.adapters]
         if not present:
             return result
-        weights = self._rows_for(state, x)
         squeeze = x.dim() == 2
         x3 = x.unsqueeze(1) if squeeze else x  # (B, T, d)
         out = result.unsqueeze(1) if squeeze else result  # (B, T, o)
+        plan = self._plan(state, tuple(present), x3)
+        for k, column in plan.dense:
+            A, B, adapter = self._tensors(state, state.names[k])
+            delta = lora_delta(adapter.dropout(x3), A, B, adapter.scaling)
+            out = out + (delta * column.to(delta.dtype)).to(out.dtype)
+        if plan.gathered:
+            out = self._gathered(state, plan, x3, out)
+        return out.squeeze(1) if squeeze else out
+
+    def _plan(self, state: AdapterWeights, present: tuple[int, ...], x3: torch.Tensor) -> _Plan:
+        """Dense and gathered adapters of this forward, memoised on the context for all layers."""
+        scalings = tuple(self.adapters[state.names[k]].scaling for k in present)
+        key = (present, scalings, int(x3.shape[0]), int(x3.shape[1]), x3.device)
+        plan = state.plans.get(key)
+        if plan is not None:
+            return plan  # type: ignore[return-value]
+        weights = self._rows_for(state, x3).to(device=x3.device)
         if weights.dim() == 3 and weights.shape[1] != x3.shape[1]:
             raise AdapterError(
                 f"per-token adapter weights cover {weights.shape[1]} tokens, the input has {x3.shape[1]}"
             )
-        weights = weights.to(device=x.device)
         used = slot_usage(weights)  # (B, K)
         counts = used.sum(dim=0).tolist()
-        n_rows = x3.shape[0]
-        gathered: list[int] = []
-        for k in present:
-            if counts[k] == 0:
-                continue
-            if counts[k] == n_rows:
-                A, B, adapter = self._tensors(state, state.names[k])
-                delta = lora_delta(adapter.dropout(x3), A, B, adapter.scaling)
-                out = out + (delta * weight_column(weights, k).to(delta.dtype)).to(out.dtype)
-            else:
-                gathered.append(k)
+        dense = [(k, weight_column(weights, k)) for k in present if counts[k] == x3.shape[0]]
+        gathered = [k for k in present if 0 < counts[k] < x3.shape[0]]
+        rows = local = coef = None
         if gathered:
-            out = self._gathered(state, weights, used, gathered, x3, out)
-        return out.squeeze(1) if squeeze else out
+            rows, local = used[:, gathered].nonzero(as_tuple=True)  # pairs (row, index into gathered)
+            scal = torch.tensor([scalings[present.index(k)] for k in gathered], dtype=weights.dtype, device=x3.device)
+            cols = torch.tensor(gathered, device=x3.device)[local]
+            w = weights[rows, cols] if weights.dim() == 2 else weights[rows, :, cols]  # (N,) / (N, T)
+            coef = (w * scal[local].unsqueeze(-1)).unsqueeze(-1) if w.dim() == 2 else (w * scal[local]).view(-1, 1, 1)
+        plan = _Plan(dense, tuple(state.names[k] for k in gathered), rows, local, coef)
+        state.plans[key] = plan
+        return plan
 
     def _rows_for(self, state: AdapterWeights, x: torch.Tensor) -> torch.Tensor:
         """Return weights with one row per input row; beam search repeats each row ``n`` times."""
@@ -203,32 +234,18 @@ class MultiLoraLinear(nn.Module):
             A, B = A.detach(), B.detach()
         return A, B, adapter
 
-    def _gathered(
-        self,
-        state: AdapterWeights,
-        weights: torch.Tensor,
-        used: torch.Tensor,
-        slots: list[int],
-        x: torch.Tensor,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        names = tuple(state.names[k] for k in slots)
+    def _gathered(self, state: AdapterWeights, plan: _Plan, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        names = plan.gathered
         A_stack, B_stack = self._stacks(state, names)
-        sub = used[:, slots]  # (B, S)
-        rows, local = sub.nonzero(as_tuple=True)  # pairs (row, index into slots)
-        scal = torch.tensor([self.adapters[n].scaling for n in names], dtype=weights.dtype, device=x.device)
-        cols = torch.tensor(slots, device=x.device)[local]
-        w = weights[rows, ..., cols] if weights.dim() == 2 else weights[rows, :, cols]  # (N,) / (N, T)
-        coef = w * scal[local].unsqueeze(-1) if w.dim() == 2 else w * scal[local]
-        coef = coef.unsqueeze(-1) if coef.dim() == 2 else coef.view(-1, 1, 1)
-        xg = x.index_select(0, rows)  # (N, T, d)
+        assert plan.rows is not None and plan.local is not None and plan.coef is not None
+        xg = x.index_select(0, plan.rows)  # (N, T, d)
         if self.training:
             # Dropout per (row, adapter) pair, each with its adapter's own rate.
-            p = torch.tensor([self.adapters[n].config.dropout for n in names], device=x.device)[local]
+            p = torch.tensor([self.adapters[n].config.dropout for n in names], device=x.device)[plan.local]
             p = p.view(-1, 1, 1).to(x.dtype)
             xg = xg * (torch.rand_like(xg) >= p).to(x.dtype) / (1 - p)
-        y = gathered_lora_delta(xg, A_stack, B_stack, local, coef)  # (N, T, o)
-        return out.index_add(0, rows, y.to(out.dtype))
+        y = gathered_lora_delta(xg, A_stack, B_stack, plan.local, plan.coef)  # (N, T, o)
+        return out.index_add(0, plan.rows, y.to(out.dtype))
 
     def _stacks(self, state: AdapterWeights, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Stack (and, outside autograd, cache) the gathered adapters' A and B."""

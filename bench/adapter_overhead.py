@@ -23,16 +23,6 @@ from fedmosaic.settings import DTYPES
 from fedmosaic.tiny import tiny_llama
 
 
-def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -40,7 +30,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timing")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     loaded = tiny_llama() if args.model == "tiny" else load_base_model(args.model, dtype=args.dtype)
@@ -81,13 +71,24 @@ def main() -> None:
                 past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
             return (time.perf_counter() - start) / args.steps
 
-    results: dict[str, dict[str, float]] = {}
+    # Cases are interleaved round by round and medians taken, so a slow spell on this shared machine
+    # hits every case alike instead of biasing one ratio.
+    samples: dict[str, dict[str, list[float]]] = {c: {"prefill": [], "decode": []} for c in cases}
     with torch.inference_mode(), loaded.autocast():
-        for case in cases:
-            p = timed(lambda c=case: prefill(c), args.repeats)
-            decode(case)  # warm-up
-            d = statistics.median(decode(case) for _ in range(args.repeats))
-            results[case] = {"prefill_s": round(p, 4), "decode_step_s": round(d, 5)}
+        for case in cases:  # warm-up
+            prefill(case)
+            decode(case)
+        for _ in range(args.repeats):
+            for case in cases:
+                start = time.perf_counter()
+                prefill(case)
+                samples[case]["prefill"].append(time.perf_counter() - start)
+                samples[case]["decode"].append(decode(case))
+    results: dict[str, dict[str, float]] = {
+        c: {"prefill_s": round(statistics.median(v["prefill"]), 4),
+            "decode_step_s": round(statistics.median(v["decode"]), 5)}
+        for c, v in samples.items()
+    }
     base = results["base"]
     for r in results.values():
         r["prefill_ratio"] = round(r["prefill_s"] / base["prefill_s"], 3)
