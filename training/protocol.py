@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from training.runtime import Runtime
 
 StateDict = dict[str, torch.Tensor]
+# A client's private state: named adapters (``"local"`` ...) that never leave it. The runtime persists
+# it between rounds (simulator: memory plus ``rounds/<r>/clients/<id>/``; Flower: ``Context.state``).
+ClientState = dict[str, StateDict]
 
 
 def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
@@ -91,7 +94,7 @@ class ClientContext:
     client_id: str
     data: ClientData
     runtime: Runtime
-    private: dict[str, StateDict] = field(default_factory=dict)
+    private: ClientState = field(default_factory=dict)
     seed: int = 0
 
 
