@@ -2,15 +2,42 @@
 
 FedDPA (paper 000 section 4.3) compares a request with S of its client's local instances. We embed the
 instances once and keep them in a ``faiss.IndexFlatIP`` over L2-normalised vectors (inner product =
-cosine), saved beside the client's adapter as ``embeddings.faiss`` with the raw ``embeddings.npy``.
-faiss is imported lazily; without it the same search runs as a numpy matrix product.
+cosine), saved beside the client's adapter as ``embeddings.faiss`` with the raw ``embeddings.npy``, so a
+request costs one forward of its own prompt instead of S + 1. faiss is imported lazily; without it the
+same search runs as a numpy matrix product. :class:`IndexCache` keeps loaded indexes keyed by
+(client, version) and resolves every path inside the named client's own folder.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+
+from adapters import AdapterError
+from adapters.rundir import check_client_id
+from routing.base import RoutingError
+
+STEM = "embeddings"
+
+
+def _faiss() -> ModuleType | None:
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
+
+
+def _client_id(client: str) -> str:
+    try:
+        return check_client_id(client)
+    except (AdapterError, TypeError) as exc:
+        raise RoutingError(f"client id {client!r} must be a plain name (letters, digits, '_', '-', '.')") from exc
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:
@@ -20,23 +47,26 @@ def _normalise(x: np.ndarray) -> np.ndarray:
 
 
 class EmbeddingIndex:
-    """Unit-normalised embeddings of one client's local instances, searchable by cosine."""
+    """Unit-normalised embeddings of one client's local instances, searchable by cosine.
 
-    def __init__(self, vectors: np.ndarray, use_faiss: bool = True) -> None:
-        if vectors.ndim != 2 or vectors.shape[0] == 0:
-            raise ValueError(f"an embedding index needs a non-empty (N, H) array, got shape {vectors.shape}")
+    Attributes:
+        raw: (N, H) the vectors as given.
+        unit: (N, H) L2-normalised copies (what every cosine uses).
+    """
+
+    def __init__(self, vectors: np.ndarray, use_faiss: bool = True, _index: Any = None) -> None:
+        vectors = np.asarray(vectors)
+        if vectors.ndim != 2 or vectors.shape[0] == 0 or vectors.shape[1] == 0:
+            raise RoutingError(f"an embedding index needs a non-empty (N, H) array, got shape {vectors.shape}")
         if not np.isfinite(vectors).all():
-            raise ValueError("embeddings contain NaN or inf")
-        self.raw = np.asarray(vectors, dtype=np.float32)
-        self.unit = _normalise(self.raw)
-        self._faiss = None
-        if use_faiss:
-            try:
-                import faiss
-            except ImportError:
-                faiss = None
-            if faiss is not None:
-                self._faiss = faiss.IndexFlatIP(self.unit.shape[1])
+            raise RoutingError("embeddings contain NaN or inf")
+        self.raw = np.ascontiguousarray(vectors, dtype=np.float32)
+        self.unit = np.ascontiguousarray(_normalise(self.raw))
+        self._faiss: Any = None
+        faiss = _faiss() if use_faiss else None
+        if faiss is not None:
+            self._faiss = _index if _index is not None else faiss.IndexFlatIP(self.dim)
+            if _index is None:
                 self._faiss.add(self.unit)
 
     def __len__(self) -> int:
@@ -44,11 +74,30 @@ class EmbeddingIndex:
 
     @property
     def dim(self) -> int:
+        """Vector width H."""
         return int(self.unit.shape[1])
 
+    @property
+    def uses_faiss(self) -> bool:
+        """True when searches run through faiss, False for the numpy fallback."""
+        return self._faiss is not None
+
+    def _query(self, query: np.ndarray) -> np.ndarray:
+        q = np.atleast_2d(np.asarray(query, dtype=np.float32))
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise RoutingError(f"query must be (H,) or (Q, H) with H={self.dim}, got shape {np.shape(query)}")
+        if not np.isfinite(q).all():
+            raise RoutingError("query contains NaN or inf")
+        return np.ascontiguousarray(_normalise(q))  # (Q, H)
+
     def search(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Return (cosines (Q, k), indices (Q, k)) of the k nearest stored vectors."""
-        q = _normalise(np.atleast_2d(query))
+        """Return (cosines (Q, k), indices (Q, k)) of the k nearest stored vectors, nearest first.
+
+        ``k`` larger than the index is cut to its size.
+        """
+        if k < 1:
+            raise RoutingError(f"k must be >= 1, got {k}")
+        q = self._query(query)
         k = min(k, len(self))
         if self._faiss is not None:
             sims, idx = self._faiss.search(q, k)
@@ -58,22 +107,135 @@ class EmbeddingIndex:
         return np.take_along_axis(sims, idx, axis=1), idx
 
     def cosines(self, query: np.ndarray, indices: np.ndarray) -> np.ndarray:
-        """Cosine of ``query`` (H,) with the stored vectors at ``indices``."""
-        return self.unit[indices] @ _normalise(np.atleast_2d(query))[0]
+        """Cosine of ``query`` (H,) with the stored vectors at ``indices``; same shape as ``indices``."""
+        return self.unit[indices] @ self._query(query)[0]
 
-    def save(self, folder: Path, stem: str = "embeddings") -> None:
+    def sample(self, s: int, generator: np.random.Generator) -> np.ndarray:
+        """Return the indices (s,) of ``s`` distinct stored vectors drawn uniformly (the paper's estimator).
+
+        ``s`` larger than the index returns every index in random order.
+        """
+        if s < 1:
+            raise RoutingError(f"the sample size S must be >= 1, got {s}")
+        return generator.choice(len(self), size=min(s, len(self)), replace=False)
+
+    def save(self, folder: Path, stem: str = STEM) -> None:
         """Write ``<stem>.npy`` (raw vectors) and, with faiss, ``<stem>.faiss``."""
+        folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         np.save(folder / f"{stem}.npy", self.raw)
-        if self._faiss is not None:
-            import faiss
-
+        faiss = _faiss() if self._faiss is not None else None
+        if faiss is not None:
             faiss.write_index(self._faiss, str(folder / f"{stem}.faiss"))
 
     @classmethod
-    def load(cls, folder: Path, stem: str = "embeddings", use_faiss: bool = True) -> EmbeddingIndex:
-        """Read the raw vectors back (the faiss index is rebuilt from them: exact and fast for flat IP)."""
+    def load(cls, folder: Path, stem: str = STEM, use_faiss: bool = True) -> EmbeddingIndex:
+        """Read ``<stem>.npy`` and, when present and faiss is importable, ``<stem>.faiss``.
+
+        A faiss file that disagrees with the vectors (another size or width: files of two different
+        builds) raises rather than answering searches over stale vectors.
+        """
+        folder = Path(folder)
         path = folder / f"{stem}.npy"
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist")
-        return cls(np.load(path), use_faiss=use_faiss)
+        raw = np.load(path, allow_pickle=False)
+        faiss = _faiss() if use_faiss else None
+        index_path = folder / f"{stem}.faiss"
+        index = None
+        if faiss is not None and index_path.is_file():
+            index = faiss.read_index(str(index_path))
+            if raw.ndim != 2 or index.ntotal != raw.shape[0] or index.d != raw.shape[1]:
+                raise RoutingError(
+                    f"{index_path} holds {index.ntotal} x {index.d} vectors but {path} has shape {raw.shape}; "
+                    "rebuild the index"
+                )
+        return cls(raw, use_faiss=use_faiss, _index=index)
+
+
+class IndexCache:
+    """Loaded :class:`EmbeddingIndex` per (client, version), least recently used evicted first.
+
+    The adapter pool bumps a client's version on every reload, so a new version always reads the
+    files again; the older versions of that client are dropped at once. Paths are built here from
+    the client id alone (``root/<client>/embeddings.*``), so a request for one client can never read
+    another client's vectors. Thread-safe.
+    """
+
+    def __init__(self, root: Path, capacity: int = 16, use_faiss: bool = True, stem: str = STEM) -> None:
+        """Create an empty cache.
+
+        Args:
+            root: the folder holding one folder per client (``RUN_DIR/adapters/clients``).
+            capacity: indexes kept at most.
+            use_faiss: search with faiss when importable.
+            stem: file name stem of the saved vectors.
+        """
+        if capacity < 1:
+            raise RoutingError(f"IndexCache capacity must be >= 1, got {capacity}")
+        self.root = Path(root)
+        self.capacity = capacity
+        self.use_faiss = use_faiss
+        self.stem = stem
+        self._items: OrderedDict[tuple[str, int | str], EmbeddingIndex] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_run(cls, run_dir: Path, capacity: int = 16, use_faiss: bool = True) -> IndexCache:
+        """A cache over the clients of the run directory ``run_dir``."""
+        return cls(Path(run_dir) / "adapters" / "clients", capacity=capacity, use_faiss=use_faiss)
+
+    def client_folder(self, client: str) -> Path:
+        """The folder of ``client``; raises unless it is a plain name that stays inside ``root``."""
+        client = _client_id(client)
+        folder = self.root / client
+        # a symlinked client folder pointing elsewhere (another client's) is refused as well
+        if folder.exists() and folder.resolve() != self.root.resolve() / client:
+            raise RoutingError(f"client folder {folder} resolves outside {self.root}")
+        for path in (folder / f"{self.stem}.npy", folder / f"{self.stem}.faiss"):
+            if path.exists() and path.resolve().parent != folder.resolve():
+                raise RoutingError(f"{path} resolves outside the folder of client {client!r}")
+        return folder
+
+    def get(self, client: str, version: int | str = 0) -> EmbeddingIndex:
+        """Return the index of ``client`` at ``version``, loading it from the client's folder on a miss.
+
+        Raises:
+            RoutingError: a bad client id.
+            FileNotFoundError: the client has no saved embeddings.
+        """
+        key = (_client_id(client), version)
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                return hit
+        index = EmbeddingIndex.load(self.client_folder(client), stem=self.stem, use_faiss=self.use_faiss)
+        self.put(client, version, index)
+        return index
+
+    def put(self, client: str, version: int | str, index: EmbeddingIndex) -> None:
+        """Store an index built in memory (e.g. right after embedding a newly loaded adapter's data)."""
+        client = _client_id(client)
+        with self._lock:
+            for old in [k for k in self._items if k[0] == client and k[1] != version]:
+                del self._items[old]
+            self._items[(client, version)] = index
+            self._items.move_to_end((client, version))
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def invalidate(self, client: str) -> None:
+        """Drop every cached version of ``client`` (its adapter was unloaded)."""
+        client = _client_id(client)
+        with self._lock:
+            for old in [k for k in self._items if k[0] == client]:
+                del self._items[old]
+
+    def keys(self) -> list[tuple[str, int | str]]:
+        """Cached (client, version) keys, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)

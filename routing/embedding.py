@@ -2,7 +2,8 @@
 
 Paper 000 section 4.3: an input's representation is the last-layer hidden state of its last token with
 the global adapter on; local instances are embedded the same way, once (end of training, or when a run
-is loaded), and cached per client.
+is loaded), and cached per client (``routing.cache``). The request and the cached instances must be
+embedded by this one function so their cosines compare like with like.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from adapters import AdaptedModel
+from routing.base import RoutingError
 
 
 def last_token_state(
@@ -22,23 +24,44 @@ def last_token_state(
 ) -> torch.Tensor:
     """Return (B, H): HF ``hidden_states[-1]`` at each row's last non-pad token (any padding side).
 
+    For Llama ``hidden_states[-1]`` is taken after the final RMSNorm, as in the reference code.
+    Position ids follow the attention mask (as in HF generation), so a left-padded row gets the same
+    positions as when it runs alone.
+
     Args:
         model: the causal LM.
         adapted: its adapter handle (None: the bare model).
         input_ids: (B, T) token ids.
-        attention_mask: (B, T), 1 on real tokens.
+        attention_mask: (B, T), 1 on real tokens; every row needs at least one.
         names: adapters to switch on (FedDPA: ``("global",)``).
         weights: (B, K) adapter weights; ones when omitted.
+
+    Returns:
+        (B, H) float32 states.
+
+    Raises:
+        RoutingError: mismatched shapes, or a row with no real token.
     """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise RoutingError(
+            f"input_ids and attention_mask must both be (B, T), got {tuple(input_ids.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    mask = attention_mask.long()
+    if (mask.sum(dim=1) == 0).any():
+        raise RoutingError("every row needs at least one real token (an all-padding row has no last token)")
     ctx: AbstractContextManager[object] = nullcontext()
     if adapted is not None and names:
         w = weights if weights is not None else torch.ones(input_ids.shape[0], len(names))
         ctx = adapted.context.use(tuple(names), w)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
     with torch.inference_mode(), ctx:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                    output_hidden_states=True)
     hidden = out.hidden_states[-1]  # (B, T, H)
-    positions = torch.arange(attention_mask.shape[1]).expand_as(attention_mask)
-    last = (positions * attention_mask.long()).argmax(dim=1)  # (B,)
+    # the last real token is the largest index with mask 1, whichever side the padding is on
+    index = torch.arange(mask.shape[1]).expand_as(mask)  # (B, T)
+    last = (index * mask).argmax(dim=1)  # (B,)
     return hidden[torch.arange(hidden.shape[0]), last].float()
 
 
@@ -47,13 +70,40 @@ def embed_prompts(
     names: Sequence[str] = (), batch_size: int = 16,
     autocast: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> np.ndarray:
-    """Embed prompt strings in batches; returns (N, H) float32."""
-    chunks = []
-    for start in range(0, len(prompts), batch_size):
-        enc = tokenizer(list(prompts[start:start + batch_size]), return_tensors="pt", padding=True,  # type: ignore[operator]
+    """Embed prompt strings in batches with :func:`last_token_state`.
+
+    Prompts are batched in order of length so a batch pads little; the result keeps the input order.
+    The prompts are tokenised as given (no special tokens added): pass them exactly as the template
+    formatted them for training, and format requests the same way.
+
+    Args:
+        model: the causal LM.
+        adapted: its adapter handle (None: the bare model).
+        tokenizer: an HF tokenizer with a pad token.
+        prompts: N prompt strings.
+        names: adapters on, each at weight 1 (FedDPA: ``("global",)``).
+        batch_size: prompts per forward.
+        autocast: factory of the compute context (e.g. ``LoadedModel.autocast``).
+
+    Returns:
+        (N, H) float32; ``(0, 0)`` for no prompts.
+    """
+    if batch_size < 1:
+        raise RoutingError(f"batch_size must be >= 1, got {batch_size}")
+    prompts = list(prompts)
+    if not prompts:
+        return np.zeros((0, 0), dtype=np.float32)
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]  # type: ignore[operator]
+    order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+    out: np.ndarray | None = None
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,  # type: ignore[operator]
                         add_special_tokens=False)
         with autocast() if autocast is not None else nullcontext():
-            chunks.append(last_token_state(model, adapted, enc["input_ids"], enc["attention_mask"], names))
-    if not chunks:
-        return np.zeros((0, 0), dtype=np.float32)
-    return torch.cat(chunks).numpy().astype(np.float32)
+            states = last_token_state(model, adapted, enc["input_ids"], enc["attention_mask"], names)  # (b, H)
+        if out is None:
+            out = np.empty((len(prompts), states.shape[1]), dtype=np.float32)
+        out[chunk] = states.numpy()
+    assert out is not None
+    return out

@@ -1,0 +1,141 @@
+"""FedDPA instance-wise dynamic weighting of the global and local adapters (paper 000 section 4.3).
+
+For a request with representation ``w_x`` (final-layer last-token state of its prompt with the global
+adapter on) and S of its client's local instances ``w_{x_i}``:
+
+    a = lambda * (1/S) * sum_i cos(w_x, w_{x_i}),  clipped to [0, 1]
+    weights over (global, local) = (1 - a, a)
+
+The instances come from the client's cached :class:`~routing.cache.EmbeddingIndex`: ``random`` draws S
+of them afresh for each request (the paper's estimator), ``knn`` takes the S nearest (deterministic).
+
+The reference code (METHODS.md section 2.4 and section 6 item 4) differs: it embeds with the LOCAL
+adapter, does not clip the cosine, and gives ``a`` to the GLOBAL adapter. ``variant="reference"``
+reproduces the weight assignment ``(a, 1 - a)``; which adapter is on while embedding is the caller's
+choice (``routing.embedding``), and ``clip=False`` drops the clipping.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from routing.base import GLOBAL, LOCAL, RoutingDecision, RoutingError, RoutingInput
+from routing.cache import EmbeddingIndex
+
+Mode = Literal["random", "knn"]
+Variant = Literal["paper", "reference"]
+
+
+@dataclass(frozen=True, eq=False)
+class FedDPARouter:
+    """Per-request (global, local) weights from the similarity of the prompt to local instances.
+
+    Attributes:
+        lambda_: scale of the mean cosine (FedDPA-F 1, FedDPA-T its training alpha); >= 0.
+        S: local instances compared per request (paper: 5); an index with fewer uses all of them.
+        mode: ``random`` (fresh uniform sample per request, the paper) or ``knn`` (the S nearest).
+        clip: clip ``a`` to [0, 1] (the paper's score range); False keeps the raw value (reference code).
+        seed: seed of the sampling generator (None: fresh OS entropy); ``random`` mode only.
+        variant: ``paper`` gives ``a`` to the local adapter, ``reference`` to the global one.
+        global_name: name of the global adapter in the decision.
+        local_name: name of the local adapter in the decision.
+    """
+
+    lambda_: float = 1.0
+    S: int = 5
+    mode: Mode = "random"
+    clip: bool = True
+    seed: int | None = None
+    variant: Variant = "paper"
+    global_name: str = GLOBAL
+    local_name: str = LOCAL
+    _rng: np.random.Generator = field(init=False, repr=False)
+    # np.random.Generator is not thread-safe and the HTTP server routes from several threads
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lambda_, bool) or not isinstance(self.lambda_, int | float) \
+                or not math.isfinite(self.lambda_) or self.lambda_ < 0:
+            raise RoutingError(f"FedDPA lambda_ must be a finite number >= 0, got {self.lambda_!r}")
+        if isinstance(self.S, bool) or not isinstance(self.S, int) or self.S < 1:
+            raise RoutingError(f"FedDPA S (local instances per request) must be an integer >= 1, got {self.S!r}")
+        if self.mode not in ("random", "knn"):
+            raise RoutingError(f"FedDPA mode must be 'random' or 'knn', got {self.mode!r}")
+        if self.variant not in ("paper", "reference"):
+            raise RoutingError(f"FedDPA variant must be 'paper' or 'reference', got {self.variant!r}")
+        if self.global_name == self.local_name:
+            raise RoutingError(f"global_name and local_name must differ, both are {self.global_name!r}")
+        object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
+
+    @property
+    def needs_representation(self) -> bool:
+        """FedDPA routes on the prompt's final-layer last-token state."""
+        return True
+
+    def route(self, request: RoutingInput) -> RoutingDecision:
+        """Route a request carrying its representation and its client's index.
+
+        Raises:
+            RoutingError: the request has no representation or no index.
+        """
+        if request.representation is None:
+            raise RoutingError("FedDPA routing needs the request's representation (last-token state)")
+        if request.index is None:
+            who = f"client {request.client!r}" if request.client else "the request"
+            raise RoutingError(f"FedDPA routing needs the local-instance index of {who}")
+        return self.decide(request.representation, request.index)
+
+    def decide(
+        self, representation: torch.Tensor | np.ndarray, index: EmbeddingIndex,
+        generator: np.random.Generator | None = None,
+    ) -> RoutingDecision:
+        """Return the FedDPA decision for one request.
+
+        Args:
+            representation: ``(H,)`` or ``(1, H)`` last-token state of the prompt.
+            index: the client's local-instance embeddings.
+            generator: sampling generator for this request (e.g. seeded by the request); the
+                router's own seeded generator when None.
+
+        Returns:
+            Weights ``(1 - a, a)`` over (global, local) (``(a, 1 - a)`` for the reference variant);
+            info holds ``mode``, ``S``, ``S_requested``, ``mean_similarity``, ``lambda``, ``a``,
+            ``variant`` and, when the index was smaller than S, a ``note``.
+
+        Raises:
+            RoutingError: a representation of the wrong width or with NaN/inf.
+        """
+        q = representation.detach().float().cpu().numpy() if isinstance(representation, torch.Tensor) \
+            else np.asarray(representation, dtype=np.float32)
+        if q.ndim == 2 and q.shape[0] == 1:
+            q = q[0]
+        if q.ndim != 1:
+            raise RoutingError(f"FedDPA routes one request: representation must be (H,) or (1, H), got {q.shape}")
+        s = min(self.S, len(index))
+        if self.mode == "knn":
+            sims = index.search(q, s)[0][0]  # (s,)
+        elif generator is not None:
+            sims = index.cosines(q, index.sample(s, generator))
+        else:
+            with self._lock:
+                picked = index.sample(s, self._rng)
+            sims = index.cosines(q, picked)  # (s,)
+        mean = float(np.mean(sims, dtype=np.float64))
+        a = self.lambda_ * mean
+        if self.clip:
+            a = min(max(a, 0.0), 1.0)
+        a_to_local = self.variant == "paper"
+        weights = torch.tensor([1.0 - a, a] if a_to_local else [a, 1.0 - a], dtype=torch.float32)
+        info: dict[str, object] = {
+            "mode": self.mode, "S": s, "S_requested": self.S, "mean_similarity": mean,
+            "lambda": float(self.lambda_), "a": a, "variant": self.variant,
+        }
+        if s < self.S:
+            info["note"] = f"S={self.S} exceeds the {len(index)} stored instances; used all {len(index)}"
+        return RoutingDecision((self.global_name, self.local_name), weights, info)

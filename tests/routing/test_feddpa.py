@@ -1,0 +1,117 @@
+"""FedDPARouter: the paper's a = lambda * mean cosine, sampling modes, clipping, variants, validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from routing import EmbeddingIndex, FedDPARouter, Router, RoutingError, RoutingInput
+
+
+def vectors(n: int = 50, h: int = 12, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, h)).astype(np.float32) + 0.5
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a / np.linalg.norm(a, axis=-1, keepdims=True)) @ (b / np.linalg.norm(b))
+
+
+X, Q = vectors(), vectors(1, seed=1)[0]
+
+
+@pytest.mark.parametrize("use_faiss", [True, False])
+def test_knn_mean_cosine_matches_numpy_reference(use_faiss: bool) -> None:
+    index = EmbeddingIndex(X, use_faiss=use_faiss)
+    d = FedDPARouter(lambda_=0.7, S=5, mode="knn").decide(torch.from_numpy(Q), index)
+    ref = np.sort(cos(X, Q))[::-1][:5]
+    assert d.info["mean_similarity"] == pytest.approx(ref.mean(), abs=1e-6)
+    assert d.info["a"] == pytest.approx(0.7 * ref.mean(), abs=1e-6)
+    assert d.info["mode"] == "knn" and d.info["S"] == 5 and d.info["lambda"] == 0.7
+
+
+def test_random_mode_uses_the_generators_sample() -> None:
+    index = EmbeddingIndex(X)
+    d = FedDPARouter(lambda_=1.0, S=5, mode="random").decide(Q, index, np.random.default_rng(3))
+    picked = np.random.default_rng(3).choice(len(X), size=5, replace=False)
+    assert d.info["mean_similarity"] == pytest.approx(cos(X[picked], Q).mean(), abs=1e-6)
+
+
+def test_random_mode_is_reproducible_by_seed_and_fresh_per_request() -> None:
+    index = EmbeddingIndex(X)
+
+    def run(seed: int) -> list[float]:
+        router = FedDPARouter(S=3, mode="random", seed=seed)
+        return [router.decide(Q, index).info["a"] for _ in range(4)]
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+    assert len(set(run(11))) > 1  # a fresh sample per request
+
+
+def test_weights_sum_to_one_and_local_gets_a() -> None:
+    d = FedDPARouter(lambda_=0.5, S=4, mode="knn").decide(Q, EmbeddingIndex(X))
+    a = d.info["a"]
+    assert d.names == ("global", "local") and 0 < a < 1
+    torch.testing.assert_close(d.weights, torch.tensor([1 - a, a]))
+    assert float(d.weights.sum()) == pytest.approx(1.0)
+    ref = FedDPARouter(lambda_=0.5, S=4, mode="knn", variant="reference").decide(Q, EmbeddingIndex(X))
+    torch.testing.assert_close(ref.weights, torch.tensor([a, 1 - a]))  # the reference code: a to global
+    assert ref.info["variant"] == "reference"
+
+
+def test_clipping_to_unit_interval() -> None:
+    index = EmbeddingIndex(np.stack([np.ones(4), np.ones(4) * 2]))
+    opposite = -np.ones(4)
+    low = FedDPARouter(S=2, mode="knn").decide(opposite, index)
+    assert low.info["a"] == 0.0 and low.info["mean_similarity"] == pytest.approx(-1.0)
+    torch.testing.assert_close(low.weights, torch.tensor([1.0, 0.0]))
+    high = FedDPARouter(lambda_=3.0, S=2, mode="knn").decide(np.ones(4), index)
+    assert high.info["a"] == 1.0
+    raw = FedDPARouter(S=2, mode="knn", clip=False).decide(opposite, index)
+    assert raw.info["a"] == pytest.approx(-1.0)
+    torch.testing.assert_close(raw.weights, torch.tensor([2.0, -1.0]))
+
+
+def test_s_larger_than_index_uses_all_with_a_note() -> None:
+    d = FedDPARouter(S=10, mode="random", seed=0).decide(Q, EmbeddingIndex(X[:3]))
+    assert d.info["S"] == 3 and d.info["S_requested"] == 10 and "used all 3" in d.info["note"]
+    assert d.info["mean_similarity"] == pytest.approx(cos(X[:3], Q).mean(), abs=1e-6)
+
+
+def test_route_follows_the_router_protocol() -> None:
+    router = FedDPARouter(S=2, mode="knn", global_name="g", local_name="alice:local")
+    assert isinstance(router, Router) and router.needs_representation
+    d = router.route(RoutingInput("alice", torch.from_numpy(Q).unsqueeze(0), EmbeddingIndex(X)))
+    assert d.names == ("g", "alice:local")
+    with pytest.raises(RoutingError, match="representation"):
+        router.route(RoutingInput("alice", None, EmbeddingIndex(X)))
+    with pytest.raises(RoutingError, match="index of client 'alice'"):
+        router.route(RoutingInput("alice", torch.from_numpy(Q), None))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lambda_": -0.1}, "lambda_"),
+        ({"lambda_": float("nan")}, "lambda_"),
+        ({"S": 0}, "S "),
+        ({"S": 2.5}, "S "),
+        ({"mode": "nearest"}, "mode"),
+        ({"variant": "code"}, "variant"),
+        ({"global_name": "x", "local_name": "x"}, "must differ"),
+    ],
+)
+def test_validation_errors_name_the_problem(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(RoutingError, match=message):
+        FedDPARouter(**kwargs)  # type: ignore[arg-type]
+
+
+def test_representation_errors() -> None:
+    router, index = FedDPARouter(mode="knn"), EmbeddingIndex(X)
+    with pytest.raises(RoutingError, match="H=12"):
+        router.decide(np.ones(5), index)
+    with pytest.raises(RoutingError, match=r"\(H,\) or \(1, H\)"):
+        router.decide(np.ones((2, 12)), index)
+    with pytest.raises(RoutingError, match="NaN"):
+        router.decide(np.full(12, np.nan), index)
