@@ -1,0 +1,303 @@
+"""The adapter pool: which PEFT adapters are loaded in the model, under which version, and for how long.
+
+Placement only (names, versions, capacity); the math lives in :mod:`adapters`. Rules:
+
+* Every load, including a reload under the same name, gets a new version and its own engine-internal
+  adapter name ``<name>@<version>``, so nothing keyed by an internal name (the layers' stacked-tensor
+  caches, any future prefix cache) is ever reused across versions (vLLM #42125).
+* Requests hold a :class:`Lease` on the versions they started with. A replaced or unloaded version
+  leaves the model only when its last lease is released, so an in-flight request never decodes with
+  another adapter's weights (vLLM #47724).
+* At most ``max_loras`` adapters are loaded; loading or reactivating one more evicts the least
+  recently used one that is neither pinned nor leased. Evicted adapters stay registered and are
+  reloaded from their folder (under a new version) when next used. Nothing evictable: NoFreeSlot.
+* Adapter paths are resolved (symlinks included) and must stay inside the configured root.
+
+A training run directory (:mod:`adapters.rundir`) registers ``global`` and ``<client>:local`` for each
+client, and records each client's embedding files for FedDPA routing (paper 000 section 4.3) without
+loading them. All state changes happen under the engine's model lock.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapters import AdaptedModel, AdapterError, load_adapter
+from adapters.rundir import RunDir
+from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, NoFreeSlot, PathNotAllowed
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A snapshot of one registered adapter (for ``/v1/models`` and metrics)."""
+
+    name: str
+    version: int
+    path: Path
+    pinned: bool
+    loaded: bool
+    leases: int
+
+
+@dataclass(frozen=True)
+class ClientFiles:
+    """One client of a run: its local adapter's pool name and its embedding files (paths only)."""
+
+    client: str
+    local: str | None
+    embeddings_npy: Path | None
+    embeddings_faiss: Path | None
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What :meth:`AdapterPool.load_run` registered from a run directory."""
+
+    root: Path
+    method: str
+    base_model: str
+    inference_weight: float | None
+    global_name: str | None
+    clients: dict[str, ClientFiles] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Entry:
+    name: str
+    path: Path
+    pinned: bool
+    version: int = 0
+    internal: str | None = None  # None while evicted
+    last_used: int = 0
+
+
+class Lease:
+    """The internal adapter names a request decodes with; release exactly once when it finishes."""
+
+    def __init__(self, pool: AdapterPool, names: tuple[str, ...]) -> None:
+        self.pool = pool
+        self.names = names
+        self._released = False
+
+    def release(self, *_: object) -> None:
+        """Give the versions back (idempotent; accepts and ignores a done-callback argument)."""
+        if not self._released:
+            self._released = True
+            self.pool._release(self.names)
+
+
+class AdapterPool:
+    """Named, versioned, capacity-limited adapters in one :class:`~adapters.AdaptedModel`.
+
+    Args:
+        adapted: the injected model the adapters live in.
+        root: adapter folders must resolve inside it; None allows any folder (trusted CLI use only).
+        max_loras: adapters loaded at once.
+        model_lock: the engine's model lock (every change to the model happens under it).
+        check_base: refuse adapters trained on another base model.
+    """
+
+    def __init__(self, adapted: AdaptedModel, root: Path | None = None, max_loras: int = 8,
+                 model_lock: threading.RLock | None = None, check_base: bool = True) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        self.adapted = adapted
+        self.root = root.resolve() if root is not None else None
+        self.max_loras = max_loras
+        self.lock = model_lock if model_lock is not None else threading.RLock()
+        self.check_base = check_base
+        self._entries: dict[str, _Entry] = {}
+        self._leases: dict[str, int] = {}  # internal name -> requests holding it
+        self._retired: set[str] = set()  # replaced or unloaded versions still leased
+        self._versions: dict[str, int] = {}  # never reset, so a name's versions never repeat
+        self._tick = 0
+
+    # --- paths ---------------------------------------------------------------------------------
+
+    def resolve(self, path: str | Path) -> Path:
+        """Resolve ``path`` (relative ones against the root) and check it stays inside the root.
+
+        Raises:
+            PathNotAllowed: it resolves outside the root (``..``, absolute paths, symlinks).
+        """
+        raw = Path(path).expanduser()
+        if not raw.is_absolute() and self.root is not None:
+            raw = self.root / raw
+        resolved = raw.resolve()
+        if self.root is not None and not resolved.is_relative_to(self.root):
+            raise PathNotAllowed(f"adapter path {str(path)!r} resolves outside the adapter root {self.root}")
+        return resolved
+
+    # --- registration --------------------------------------------------------------------------
+
+    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+        """Load the PEFT folder ``path`` as ``name`` (a new version when ``replace`` reloads a name).
+
+        Raises:
+            AdapterExists: ``name`` is registered and ``replace`` is False.
+            PathNotAllowed, AdapterLoadFailed, NoFreeSlot: see the module docstring.
+        """
+        if not _NAME.match(name) or name.endswith(":"):
+            raise AdapterLoadFailed(f"invalid adapter name {name!r}: use letters, digits, '_', '-', '.', ':'")
+        folder = self.resolve(path)
+        with self.lock:
+            old = self._entries.get(name)
+            if old is not None and not replace:
+                raise AdapterExists(f"adapter {name!r} is already loaded; unload it or ask for a reload")
+            entry = _Entry(name=name, path=folder, pinned=pinned if old is None else (pinned or old.pinned))
+            self._activate(entry, exclude=(name,), spare=int(old is not None and old.internal is not None))
+            if old is not None:
+                self._retire(old)
+            self._entries[name] = entry
+            return self._info(entry)
+
+    def unload(self, name: str) -> None:
+        """Forget ``name``; its version leaves the model once no request holds it."""
+        with self.lock:
+            entry = self._entries.pop(name, None)
+            if entry is None:
+                raise AdapterNotFound(f"adapter {name!r} is not loaded")
+            self._retire(entry)
+
+    def load_run(self, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
+        """Register a training run's global adapter and every client's local adapter.
+
+        Args:
+            run_dir: a run directory (``run.json``, ``adapters/global``, ``adapters/clients/<id>/local``).
+            pin_global: pin ``global`` (every FedDPA request uses it).
+        """
+        run = RunDir(self.resolve(run_dir))
+        try:
+            config = run.read_config()
+        except AdapterError as exc:
+            raise AdapterLoadFailed(str(exc)) from exc
+        global_name = None
+        if run.global_adapter.is_dir():
+            self.load("global", run.global_adapter, pinned=pin_global, replace=True)
+            global_name = "global"
+        clients: dict[str, ClientFiles] = {}
+        for client in run.clients():
+            local = None
+            if run.local_adapter(client).is_dir():
+                local = f"{client}:local"
+                self.load(local, run.local_adapter(client), replace=True)
+            npy = run.embeddings(client)
+            faiss = npy.with_suffix(".faiss")
+            clients[client] = ClientFiles(client, local, npy if npy.is_file() else None,
+                                          faiss if faiss.is_file() else None)
+        weight = config.get("inference_weight")
+        return RunInfo(root=run.root, method=str(config.get("method", "")), base_model=str(config.get("model", "")),
+                       inference_weight=float(weight) if isinstance(weight, int | float) else None,
+                       global_name=global_name, clients=clients)
+
+    # --- leases --------------------------------------------------------------------------------
+
+    def acquire(self, names: Iterable[str]) -> Lease:
+        """Lease the current versions of ``names`` (reloading evicted ones) for one request.
+
+        Returns:
+            A lease whose ``names`` are the internal adapter names, in order.
+
+        Raises:
+            AdapterNotFound: a name is not registered.
+            NoFreeSlot: an evicted adapter cannot be reloaded because nothing can be evicted.
+        """
+        wanted = tuple(names)
+        with self.lock:
+            missing = [n for n in wanted if n not in self._entries]
+            if missing:
+                raise AdapterNotFound(f"adapters {missing} are not loaded; loaded: {sorted(self._entries)}")
+            internal = []
+            for name in wanted:
+                entry = self._entries[name]
+                if entry.internal is None:
+                    self._activate(entry, exclude=wanted)
+                self._tick += 1
+                entry.last_used = self._tick
+                assert entry.internal is not None
+                internal.append(entry.internal)
+            for key in internal:
+                self._leases[key] = self._leases.get(key, 0) + 1
+            return Lease(self, tuple(internal))
+
+    def _release(self, internal: tuple[str, ...]) -> None:
+        with self.lock:
+            for key in internal:
+                self._leases[key] -= 1
+                if self._leases[key] == 0:
+                    del self._leases[key]
+                    if key in self._retired:
+                        self._retired.discard(key)
+                        self.adapted.delete_adapter(key)
+
+    # --- views ---------------------------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        """Registered adapter names, in registration order."""
+        return list(self._entries)
+
+    def info(self, name: str | None = None) -> list[AdapterInfo]:
+        """Snapshots of one registered adapter or of all."""
+        with self.lock:
+            entries = [self._entries[name]] if name is not None and name in self._entries else (
+                [] if name is not None else list(self._entries.values()))
+            return [self._info(e) for e in entries]
+
+    def loaded_count(self) -> int:
+        """Adapters currently in the model (current versions only)."""
+        return sum(e.internal is not None for e in self._entries.values())
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _info(self, entry: _Entry) -> AdapterInfo:
+        leases = self._leases.get(entry.internal, 0) if entry.internal else 0
+        return AdapterInfo(entry.name, entry.version, entry.path, entry.pinned, entry.internal is not None, leases)
+
+    def _activate(self, entry: _Entry, exclude: tuple[str, ...], spare: int = 0) -> None:
+        """Load ``entry``'s folder into the model under a fresh version, evicting if full.
+
+        ``spare`` counts loaded versions about to be retired (a reload replaces its old version).
+        """
+        if self.loaded_count() - spare >= self.max_loras:
+            self._evict(exclude)
+        version = self._versions.get(entry.name, 0) + 1
+        internal = f"{entry.name.replace('.', '%')}@{version}"  # layer names may not contain dots
+        try:
+            load_adapter(self.adapted, entry.path, internal, check_base=self.check_base)
+        except AdapterError as exc:
+            raise AdapterLoadFailed(str(exc)) from exc
+        self._versions[entry.name] = version
+        entry.version, entry.internal = version, internal
+        self._tick += 1
+        entry.last_used = self._tick
+
+    def _evict(self, exclude: tuple[str, ...]) -> None:
+        candidates = [e for e in self._entries.values()
+                      if e.internal is not None and not e.pinned and e.name not in exclude
+                      and self._leases.get(e.internal, 0) == 0]
+        if not candidates:
+            raise NoFreeSlot(
+                f"all {self.max_loras} adapter slots hold pinned or in-use adapters; unload one, unpin one, "
+                "or raise --max-loras")
+        victim = min(candidates, key=lambda e: e.last_used)
+        assert victim.internal is not None
+        self.adapted.delete_adapter(victim.internal)
+        victim.internal = None
+
+    def _retire(self, entry: _Entry) -> None:
+        if entry.internal is None:
+            return
+        if self._leases.get(entry.internal, 0) > 0:
+            self._retired.add(entry.internal)
+        else:
+            self.adapted.delete_adapter(entry.internal)
+        entry.internal = None

@@ -1,0 +1,88 @@
+"""The one place that maps errors to HTTP status codes and the OpenAI error envelope.
+
+``{"error": {"message", "type", "param", "code"}}`` with a string ``code``. Bad input is always a 4xx:
+FastAPI's request validation errors become 400 (not its default 422), and an unexpected exception is
+the only source of a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from adapters import AdapterError
+from serving import errors
+from serving.api.protocol import ErrorBody, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# exception class -> (status, OpenAI error type, code)
+_DOMAIN: tuple[tuple[type[Exception], int, str, str], ...] = (
+    (errors.ModelNotFound, 404, "NotFoundError", "model_not_found"),
+    (errors.AdapterNotFound, 404, "NotFoundError", "adapter_not_found"),
+    (errors.AdapterExists, 400, "BadRequestError", "adapter_exists"),
+    (errors.AdapterLoadFailed, 400, "BadRequestError", "adapter_load_failed"),
+    (errors.PathNotAllowed, 403, "PermissionDeniedError", "path_not_allowed"),
+    (errors.NoFreeSlot, 503, "ServiceUnavailableError", "no_free_adapter_slot"),
+    (errors.EngineOverloaded, 429, "RateLimitError", "overloaded"),
+    (errors.EngineNotReady, 503, "ServiceUnavailableError", "not_ready"),
+    (errors.InvalidRequest, 400, "BadRequestError", "invalid_request"),
+    (AdapterError, 400, "BadRequestError", "invalid_adapter"),
+    (ValueError, 400, "BadRequestError", "invalid_request"),
+)
+
+_HTTP = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+         405: "MethodNotAllowed", 413: "RequestTooLarge", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+
+
+def envelope(status: int, message: str, type_: str, code: str | None, param: str | None = None,
+             headers: dict[str, str] | None = None) -> JSONResponse:
+    """Return the OpenAI error envelope as a JSON response."""
+    body = ErrorResponse(error=ErrorBody(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def error_payload(exc: Exception) -> tuple[int, dict[str, object]]:
+    """(status, envelope dict) for ``exc``; used by SSE streams that fail after the headers went out."""
+    for cls, status, type_, code in _DOMAIN:
+        if isinstance(exc, cls):
+            param = getattr(exc, "param", None)
+            return status, ErrorResponse(error=ErrorBody(message=str(exc), type=type_, param=param,
+                                                         code=code)).model_dump()
+    return 500, ErrorResponse(error=ErrorBody(message="internal server error", type="InternalServerError",
+                                              code="internal_error")).model_dump()
+
+
+def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))
+    return envelope(400, message, "BadRequestError", "invalid_request", param)
+
+
+def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = "unauthorized" if exc.status_code == 401 else None
+    return envelope(exc.status_code, str(exc.detail), _HTTP.get(exc.status_code, "Error"), code,
+                    headers=getattr(exc, "headers", None))
+
+
+def _domain(_: Request, exc: Exception) -> JSONResponse:
+    status, body = error_payload(exc)
+    if status == 500:
+        logger.exception("unhandled error", exc_info=exc)
+    return JSONResponse(body, status_code=status)
+
+
+def install(app: FastAPI) -> None:
+    """Register every handler on ``app``."""
+    app.add_exception_handler(RequestValidationError, _validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
+    app.add_exception_handler(errors.ServingError, _domain)
+    app.add_exception_handler(AdapterError, _domain)
+    app.add_exception_handler(ValueError, _domain)
+    app.add_exception_handler(Exception, _domain)

@@ -1,0 +1,41 @@
+"""Prometheus metrics of one server: requests, tokens, latency, queue, adapters, FedDPA weights.
+
+A registry per app (not prometheus-client's global one), so several apps can live in one process
+(tests). Gauges read the engine and pool at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    """The server's metric families (names follow LoRAX/vLLM conventions with a ``fedmosaic_`` prefix)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("fedmosaic_requests", "Finished requests", ["endpoint", "finish_reason"], registry=r)
+        self.errors = Counter("fedmosaic_request_errors", "Requests answered with an error", ["status"], registry=r)
+        self.prompt_tokens = Counter("fedmosaic_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("fedmosaic_generation_tokens", "Tokens generated", registry=r)
+        self.latency = Histogram("fedmosaic_request_latency_seconds", "End-to-end request latency",
+                                 ["endpoint"], registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.feddpa_weight = Histogram("fedmosaic_feddpa_local_weight", "FedDPA local-adapter weight a per request",
+                                       registry=r, buckets=tuple(i / 10 for i in range(11)))
+        self.queue = Gauge("fedmosaic_queue_size", "Requests waiting to join the batch", registry=r)
+        self.running = Gauge("fedmosaic_running_requests", "Requests in the running batch", registry=r)
+        self.adapters = Gauge("fedmosaic_loaded_adapters", "Adapters loaded in the model", registry=r)
+
+    def bind(self, queue: Callable[[], float], running: Callable[[], float], adapters: Callable[[], float]) -> None:
+        """Make the gauges read live values at scrape time."""
+        self.queue.set_function(queue)
+        self.running.set_function(running)
+        self.adapters.set_function(adapters)
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)

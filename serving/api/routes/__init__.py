@@ -1,0 +1,1 @@
+"""One router per endpoint group; ``serving.api.app`` includes them all."""

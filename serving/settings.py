@@ -1,0 +1,40 @@
+"""Server settings (pydantic-settings): the one edge where the environment and CLI become typed config.
+
+Every field can come from an environment variable ``FEDMOSAIC_SERVE_<FIELD>`` (lists as JSON), from
+``fedmosaic serve`` options, or from code (``ServeSettings(model="tiny")``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServeSettings(BaseSettings):
+    """Settings of the HTTP server and the engine behind it."""
+
+    model_config = SettingsConfigDict(env_prefix="FEDMOSAIC_SERVE_", extra="ignore")
+
+    model: str = Field("smollm2", description="base model: smollm2, tiny, or an HF model folder")
+    served_model_name: str | None = Field(None, description="name of the base model in the API (default: model)")
+    dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE)")
+    run_dir: Path | None = Field(None, description="a training run directory to serve (global + clients)")
+    adapters: list[str] = Field(default_factory=list, description="extra adapters as name=folder")
+    adapter_root: Path | None = Field(None, description="adapter folders must lie inside it (default: run dir)")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"],
+                                      description="Linear layers to adapt")
+    max_loras: int = Field(16, ge=1, description="adapters loaded at once (LRU beyond)")
+    max_batch_size: int = Field(8, ge=1)
+    max_model_len: int = Field(2048, ge=2)
+    max_waiting: int = Field(64, ge=1, description="queued requests before 429")
+    max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(128, ge=1)
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body (413 beyond)")
+    api_keys: list[str] = Field(default_factory=list, description="bearer keys for /v1/*; empty: no auth")
+    allow_runtime_lora: bool = Field(True, description="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    default_alpha: float = Field(0.5, ge=0, le=1, description="FedDPA local weight without run.json or router")
+    check_base: bool = Field(True, description="refuse adapters trained on another base model")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)

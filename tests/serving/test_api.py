@@ -1,0 +1,196 @@
+"""HTTP API on the tiny model: OpenAI shapes, SSE framing, every error path, runtime adapters, openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from fedmosaic.tiny import tiny_llama
+from serving.api import create_app
+from serving.settings import ServeSettings
+from tests.serving.helpers import write_adapter
+
+KEY = "sk-test"
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "The capital of France"}], "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    tiny = tiny_llama()
+    run = root / "run"
+    write_adapter(tiny, run / "adapters" / "global", seed=1)
+    for i, client in enumerate(("0", "1")):
+        write_adapter(tiny, run / "adapters" / "clients" / client / "local", seed=10 + i)
+    (run / "run.json").write_text(json.dumps({"method": "feddpa-t", "model": "tiny", "inference_weight": 0.25}))
+    write_adapter(tiny, root / "extra", seed=5)
+    write_adapter(tiny, root.parent / "outside", seed=6)
+    return root
+
+
+def wait_ready(client: TestClient) -> None:
+    for _ in range(300):
+        if client.get("/health").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError(client.get("/health").json())
+
+
+@pytest.fixture(scope="module")
+def settings(root: Path) -> ServeSettings:
+    return ServeSettings(model="tiny", run_dir=root / "run", adapter_root=root, api_keys=[KEY], max_tokens_limit=64,
+                         max_body_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def client(settings: ServeSettings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {KEY}"}) as client:
+        wait_ready(client)
+        yield client
+
+
+def assert_error(response, status: int, code: str | None = None) -> dict:  # type: ignore[no-untyped-def]
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+def test_health_is_503_while_loading(settings: ServeSettings) -> None:
+    app = create_app(settings)  # no lifespan entered: nothing loaded
+    bare = TestClient(app)
+    assert_error(bare.get("/health"), 503, "not_ready")
+    assert_error(bare.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"}), 503)
+
+
+def test_health_and_models(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert ids == ["tiny", "global", "0:local", "1:local", "0", "1"]
+
+
+def test_chat_shapes_and_feddpa_weights(client: TestClient) -> None:
+    body = client.post("/v1/chat/completions", json={**CHAT, "model": "0", "temperature": 0}).json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert body["fedmosaic"]["mode"] == "feddpa"
+    assert body["fedmosaic"]["weights"] == {"global": 0.75, "0:local": 0.25}
+
+
+def test_mixture_extension_and_completions(client: TestClient) -> None:
+    mix = [{"name": "global", "weight": 0.5}, {"name": "1:local", "weight": 0.5}]
+    body = client.post("/v1/chat/completions", json={**CHAT, "adapters": mix}).json()
+    assert body["fedmosaic"] == {"mode": "mixture", "weights": {"global": 0.5, "1:local": 0.5}, "info": {}}
+    done = client.post("/v1/completions", json={"model": "global", "prompt": "Sort these", "max_tokens": 4,
+                                                "temperature": 0}).json()
+    assert done["object"] == "text_completion" and done["usage"]["completion_tokens"] <= 4
+    assert done["fedmosaic"]["weights"] == {"global": 1.0}
+
+
+def test_sse_framing_ends_in_done(client: TestClient) -> None:
+    with client.stream("POST", "/v1/chat/completions",
+                       json={**CHAT, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(response.iter_text())
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3,
+                                                        "stream": True}) as response:
+        assert "".join(response.iter_text()).endswith("data: [DONE]\n\n")
+
+
+def test_error_paths(client: TestClient) -> None:
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "model": "nope"}), 404, "model_not_found")
+    error = assert_error(client.post("/v1/chat/completions", json={**CHAT, "temperature": 5}), 400, "invalid_request")
+    assert error["param"] == "temperature"
+    assert_error(client.post("/v1/chat/completions", json={"model": "tiny"}), 400, "invalid_request")
+    bad_json = client.post("/v1/chat/completions", content=b"{not", headers={"content-type": "application/json"})
+    assert_error(bad_json, 400)
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_error(client.post("/v1/chat/completions", json=big), 413, "request_too_large")
+    error = assert_error(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 65}), 400)
+    assert error["param"] == "max_tokens"
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "n": 2}), 400)
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "adapters": [{"name": "nope", "weight": 1}]}), 404)
+    assert_error(client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(client.get("/v1/models", headers={"Authorization": ""}), 401, "unauthorized")
+    assert_error(client.get("/v1/nothing"), 404)
+
+
+def test_runtime_load_and_unload(client: TestClient, root: Path) -> None:
+    load = client.post("/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": "extra"})
+    assert load.status_code == 200, load.text
+    assert "extra" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    body = client.post("/v1/chat/completions", json={**CHAT, "model": "extra"}).json()
+    assert body["fedmosaic"]["weights"] == {"extra": 1.0}
+    assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": "extra"}), 400,
+                 "adapter_exists")
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": "extra",
+                                                      "load_inplace": True}).status_code == 200
+    assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "../outside"}), 403,
+                 "path_not_allowed")
+    assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "missing"}), 400)
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}).status_code == 200
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "model": "extra"}), 404)
+    assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}), 404)
+
+
+def test_metrics(client: TestClient) -> None:
+    client.post("/v1/chat/completions", json={**CHAT, "model": "1"})
+    text = client.get("/metrics").text
+    for name in ("fedmosaic_requests_total", "fedmosaic_generation_tokens_total", "fedmosaic_queue_size",
+                 "fedmosaic_request_latency_seconds_bucket", "fedmosaic_loaded_adapters",
+                 "fedmosaic_feddpa_local_weight_count"):
+        assert name in text
+    assert 'fedmosaic_feddpa_local_weight_bucket{le="0.3"}' in text
+
+
+def test_openai_client_against_uvicorn(settings: ServeSettings) -> None:
+    openai = pytest.importorskip("openai")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
+                                                  ws="none"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        for _ in range(300):
+            try:
+                sdk.models.list()
+                break
+            except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
+                time.sleep(0.05)
+        reply = sdk.chat.completions.create(model="0", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                            temperature=0)
+        assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
+        stream = sdk.chat.completions.create(model="global", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=5, temperature=0, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        again = sdk.chat.completions.create(model="global", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=5, temperature=0)
+        assert text == again.choices[0].message.content
+        with pytest.raises(openai.NotFoundError):
+            sdk.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+    assert not thread.is_alive()

@@ -1,0 +1,162 @@
+"""Engine tests on the tiny model: HF-greedy equivalence, mixed continuous batches, sampling, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedmosaic.models import LoadedModel
+from serving.engine import Engine, EngineConfig
+from serving.errors import AdapterNotFound, InvalidRequest
+from serving.request import GenerationRequest
+from serving.sampling import SamplingParams
+from tests.serving.helpers import adapted_with
+
+PROMPTS = ["The capital of France is", "Sort these words", "twelve plus seven equals", "Convert 5 km"]
+MIXES = [(("g", "l1"), (0.7, 0.3)), (("g", "l2"), (0.2, 0.8)), (("l1",), (1.0,)), ((), ())]
+
+
+def greedy(n: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def hf_greedy(tiny: LoadedModel, adapted, prompt: str, names, weights, n: int) -> list[int]:
+    ids = tiny.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.inference_mode():
+        if names:
+            with adapted.context.use(tuple(names), torch.tensor([weights])):
+                out = tiny.model.generate(**ids, max_new_tokens=n, do_sample=False, pad_token_id=2, eos_token_id=2)
+        else:
+            out = tiny.model.generate(**ids, max_new_tokens=n, do_sample=False, pad_token_id=2, eos_token_id=2)
+    new = out[0, ids["input_ids"].shape[1]:].tolist()
+    return new[: new.index(2) + 1] if 2 in new else new
+
+
+@pytest.fixture()
+def engine(tiny: LoadedModel) -> Engine:
+    return Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=8))
+
+
+def test_adapters_matter(engine: Engine) -> None:
+    plain, mixed = engine.generate([
+        GenerationRequest(prompt=PROMPTS[0], sampling=greedy()),
+        GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("l1",), adapter_weights=(1.0,)),
+    ])
+    assert plain.token_ids != mixed.token_ids
+
+
+def test_greedy_equals_hf_generate(engine: Engine, tiny: LoadedModel) -> None:
+    for prompt, (names, weights) in zip(PROMPTS, MIXES, strict=True):
+        result = engine.generate([GenerationRequest(prompt=prompt, sampling=greedy(), adapter_names=names,
+                                                    adapter_weights=weights)])[0]
+        assert list(result.token_ids) == hf_greedy(tiny, engine.adapted, prompt, names, weights, 12)
+        assert result.prompt_tokens == len(tiny.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        assert result.completion_tokens == len(result.token_ids)
+
+
+def test_continuous_batch_of_mixed_clients_equals_solo_runs(engine: Engine) -> None:
+    requests = [GenerationRequest(prompt=p, sampling=greedy(6 + 3 * i), adapter_names=n, adapter_weights=w)
+                for i, (p, (n, w)) in enumerate(zip(PROMPTS, MIXES, strict=True))]
+    solo = [engine.generate([r])[0] for r in requests]
+    # Submit at different steps: two now, one after two steps, one after four.
+    handles = [engine.submit(requests[0]), engine.submit(requests[1])]
+    engine.step()
+    engine.step()
+    handles.append(engine.submit(requests[2]))
+    engine.step()
+    assert engine.stats().running == 3
+    engine.step()
+    handles.append(engine.submit(requests[3]))
+    while engine.step():
+        pass
+    for handle, alone in zip(handles, solo, strict=True):
+        assert handle.result().token_ids == alone.token_ids
+        assert handle.result().text == alone.text
+    assert engine.stats().running == 0 and engine.stats().kv_length == 0
+
+
+def test_max_tokens_gives_length(engine: Engine) -> None:
+    result = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True))])[0]
+    assert result.finish_reason == "length" and result.completion_tokens == 5
+
+
+def test_stop_string_is_trimmed(engine: Engine) -> None:
+    full = engine.generate([GenerationRequest(prompt=PROMPTS[2], sampling=SamplingParams(
+        max_tokens=20, temperature=0, ignore_eos=True))])[0]
+    assert len(full.text) > 4
+    stop = full.text[3:5]
+    cut = engine.generate([GenerationRequest(prompt=PROMPTS[2], sampling=SamplingParams(
+        max_tokens=20, temperature=0, ignore_eos=True, stop=(stop,)))])[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert stop not in cut.text
+
+
+def test_seed_reproduces_sampling(engine: Engine) -> None:
+    def run(seed: int, shared: bool = False) -> tuple[int, ...]:
+        params = SamplingParams(max_tokens=10, temperature=1.3, top_p=0.95, top_k=50, seed=seed, ignore_eos=True)
+        req = GenerationRequest(prompt=PROMPTS[1], sampling=params, adapter_names=("l2",), adapter_weights=(1.0,))
+        other = GenerationRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=4, temperature=1.0))
+        return engine.generate([other, req] if shared else [req])[-1].token_ids
+
+    first = run(7)
+    assert run(7, shared=True) == first  # a sampled neighbour in the batch changes nothing
+    assert run(8) != first
+
+
+def test_cancel_leaves_the_batch(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    keep = engine.submit(GenerationRequest(prompt=PROMPTS[0], sampling=params))
+    drop = engine.submit(GenerationRequest(prompt=PROMPTS[1], sampling=params))
+    waiting = engine.submit(GenerationRequest(prompt=PROMPTS[2], sampling=params))
+    engine.step()
+    engine.step()
+    drop.cancel()
+    waiting.cancel()
+    engine.step()
+    assert drop.result().finish_reason == "cancelled" and 0 < drop.result().completion_tokens < 30
+    assert waiting.done  # it was admitted at the first step, cancelled as a running row
+    assert engine.stats().running == 1
+    while engine.step():
+        pass
+    assert keep.result().finish_reason == "length" and keep.result().completion_tokens == 30
+
+
+def test_stream_deltas_concatenate_to_text(engine: Engine) -> None:
+    engine.start()
+    try:
+        handle = engine.submit(GenerationRequest(prompt=PROMPTS[3], sampling=SamplingParams(
+            max_tokens=25, temperature=0.9, seed=1, ignore_eos=True, stop=("zz",))))
+        deltas = list(handle.stream(timeout=30))
+        assert "".join(deltas) == handle.result().text
+        assert len(deltas) > 1
+    finally:
+        engine.stop()
+
+
+def test_weight_fn_sees_prefill_state_and_sets_decode_weights(engine: Engine) -> None:
+    seen: list[torch.Tensor] = []
+
+    def route(state: torch.Tensor) -> tuple[list[float], dict[str, float]]:
+        seen.append(state)
+        return [0.4, 0.6], {"alpha": 0.6}
+
+    req = GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
+                            adapter_weights=(1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route,
+                            exact_prefill=True)
+    routed = engine.generate([req])[0]
+    direct = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
+                                                adapter_weights=(0.4, 0.6))])[0]
+    assert seen[0].shape == (64,)
+    assert routed.adapter_weights == (0.4, 0.6) and routed.route_info == {"alpha": 0.6}
+    assert routed.token_ids == direct.token_ids
+
+
+def test_submit_errors(engine: Engine) -> None:
+    with pytest.raises(AdapterNotFound):
+        engine.submit(GenerationRequest(prompt="x", adapter_names=("nope",), adapter_weights=(1.0,)))
+    with pytest.raises(InvalidRequest):
+        engine.submit(GenerationRequest(prompt_ids=tuple(range(3000))))
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)

@@ -1,0 +1,71 @@
+"""Target resolution with a state-reading router through the engine, and the serve CLI's settings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from adapters import inject
+from fedmosaic.models import LoadedModel
+from serving.adapter_pool import AdapterPool
+from serving.cli import add_serve_arguments, settings_from_args
+from serving.engine import Engine
+from serving.request import GenerationRequest
+from serving.sampling import SamplingParams
+from serving.targets import TargetResolver
+from tests.serving.helpers import write_adapter
+
+
+class RecordingRouter:
+    """A router reading the prompt state, as routing's FedDPA router does (a from the state norm)."""
+
+    uses_state = True
+
+    def __init__(self) -> None:
+        self.states: list[torch.Tensor] = []
+
+    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[dict[str, float], dict[str, float]]:
+        assert hidden_state is not None
+        self.states.append(hidden_state)
+        a = 0.3
+        return {"global": 1 - a, f"{client}:local": a}, {"alpha": a}
+
+
+def test_router_weights_reach_the_decode(tiny: LoadedModel, tmp_path: Path) -> None:
+    write_adapter(tiny, tmp_path / "g", seed=1)
+    write_adapter(tiny, tmp_path / "l", seed=2)
+    adapted = inject(tiny.model)
+    engine = Engine(tiny, adapted)
+    pool = AdapterPool(adapted, root=tmp_path, model_lock=engine.model_lock)
+    pool.load("global", "g")
+    pool.load("c7:local", "l")
+    router = RecordingRouter()
+    resolver = TargetResolver("tiny", pool, router)
+    assert resolver.models() == ["tiny", "global", "c7:local", "c7"]
+    plan = resolver.resolve("c7")
+    assert plan.mode == "feddpa" and plan.prefill_weights == (1.0, 0.0)
+    lease = pool.acquire(plan.names)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    result = engine.generate([GenerationRequest(prompt="Hello", sampling=params, adapter_names=lease.names,
+                                                adapter_weights=plan.weights, prefill_weights=plan.prefill_weights,
+                                                weight_fn=plan.weight_fn)])[0]
+    lease.release()
+    assert router.states[0].shape == (64,)
+    assert result.adapter_weights == (0.7, 0.3) and result.route_info == {"alpha": 0.3}
+    fixed = TargetResolver("tiny", pool, None, default_alpha=0.2).resolve("c7")
+    assert fixed.weight_fn is None and fixed.weights == (0.8, 0.2)
+
+
+def test_serve_arguments(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser.add_subparsers())
+    args = parser.parse_args(["serve", str(tmp_path / "run"), f"x={tmp_path}/a", str(tmp_path / "b"), "--model",
+                              "tiny", "--api-key", "k", "--max-loras", "3", "--port", "9000"])
+    settings = settings_from_args(args)
+    assert settings.run_dir == tmp_path / "run" and settings.api_keys == ["k"] and settings.max_loras == 3
+    assert settings.adapters == [f"x={tmp_path}/a", f"b={tmp_path / 'b'}"]
+    assert settings.host == "127.0.0.1" and settings.port == 9000
