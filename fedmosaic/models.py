@@ -31,6 +31,7 @@ SMOLLM2 = "smollm2"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 MANIFEST = "fedmosaic-manifest.json"
 MANIFEST_VERSION = 1
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class ModelError(RuntimeError):
@@ -178,7 +179,7 @@ def prepare_smollm2(cache: Path | None = None, force: bool = False, verify: bool
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:
             quantizer.remove_quantization_config(model)
-        model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        model.config.name_or_path = SMOLLM2_HUB_ID
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         config = json.loads((tmp / "config.json").read_text())
@@ -241,6 +242,9 @@ def load_base_model(
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as exc:
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    if path != name_or_path:
+        # The cache folder differs per machine; adapters record the model's canonical name instead.
+        model.config.name_or_path = SMOLLM2_HUB_ID
     return _finish(model, tokenizer, name_or_path, dtype)
 
 

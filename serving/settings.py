@@ -35,6 +35,12 @@ class ServeSettings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list, description="bearer keys for /v1/*; empty: no auth")
     allow_runtime_lora: bool = Field(True, description="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
     default_alpha: float = Field(0.5, ge=0, le=1, description="FedDPA local weight without run.json or router")
+    feddpa_routing: str = Field(
+        "instance", pattern="^(instance|fixed)$",
+        description="<client> targets: instance-wise weights from the run's embeddings, or fixed",
+    )
+    feddpa_samples: int = Field(5, ge=1, description="S, local instances compared per request")
+    feddpa_mode: str = Field("random", pattern="^(random|knn)$", description="random S (paper) or the S nearest")
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -171,17 +171,18 @@ def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
                                       int(metrics.pop("num-examples")), metrics))
             new = strategy.aggregate(r, results, failures, state)
             state = new if new is not None else state
-            save_round(run, r, state, strategy.state_dict(), {}, rt.train.lora, cfg.model)
+            save_round(run, r, state, strategy.state_dict(), {}, rt.train.lora, rt.adapted.base_model_name)
             logger.info("flower round %d: %d results, %d failures", r, len(results), len(failures))
         if m.has_local:
             _round(grid, nodes, cfg.rounds, state, cfg.timeout, finalize=True)
         if state:
-            write_adapter_folder(run.global_adapter, rt.train.lora, state, cfg.model)
+            write_adapter_folder(run.global_adapter, rt.train.lora, state, rt.adapted.base_model_name)
         mirror = Path(cfg.client_dir or run.root / "flower-clients")
         for cdir in sorted(mirror.iterdir()) if mirror.is_dir() else []:
             local = cdir / "local.safetensors"
             if local.is_file():
-                write_adapter_folder(run.local_adapter(cdir.name), rt.train.lora, load_file(str(local)), cfg.model)
+                write_adapter_folder(run.local_adapter(cdir.name), rt.train.lora, load_file(str(local)),
+                                     rt.adapted.base_model_name)
 
     return app
 

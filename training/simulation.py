@@ -198,7 +198,7 @@ def run_federated(
         mean_loss = sum(x.metrics.get("loss", 0.0) for x in results) / max(1, len(results))
         losses.append(mean_loss)
         failures_all += [(r, c, e) for c, e in failures]
-        save_round(run, r, state, strategy.state_dict(), private, train.lora, loaded.name,
+        save_round(run, r, state, strategy.state_dict(), private, train.lora, rt.adapted.base_model_name,
                    peft_global=m.export is None)
         _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures), "loss": mean_loss,
                    "bytes_up": round_up, "bytes_down": round_down,
@@ -219,11 +219,11 @@ def _finish(run: RunDir, m, dataset, rt, client_alg, state, private, sim, train,
         ctx = ClientContext(c.client_id, c, rt, private.setdefault(c.client_id, {}), sim.seed)
         client_alg.finalize(state, ctx)
     if state:
-        write_adapter_folder(run.global_adapter, train.lora, state, loaded.name)
+        write_adapter_folder(run.global_adapter, train.lora, state, rt.adapted.base_model_name)
         rt.set("global", state)
     for cid, named in private.items():
         if "local" in named:
-            write_adapter_folder(run.local_adapter(cid), train.lora, named["local"], loaded.name)
+            write_adapter_folder(run.local_adapter(cid), train.lora, named["local"], rt.adapted.base_model_name)
     if sim.embed and state and m.has_local:
         for c in tqdm(dataset.clients, desc="embeddings", unit="client", leave=False):
             # the prompts exactly as training formatted them, so serving's request embedding matches

@@ -48,6 +48,11 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     for name, _, path in specs:
         pool.load(name, path)
     alpha = run.inference_weight if run is not None and run.inference_weight is not None else s.default_alpha
+    if router is None and run is not None and s.feddpa_routing == "instance" and _has_embeddings(s.run_dir):
+        from serving.feddpa_router import InstanceWeightRouter
+
+        router = InstanceWeightRouter.for_run(Path(s.run_dir), lambda_=alpha, S=s.feddpa_samples,  # type: ignore[arg-type]
+                                              mode=s.feddpa_mode)
     state.base_name = s.served_model_name or s.model
     state.resolver = TargetResolver(state.base_name, pool, router, alpha)
     state.engine, state.pool, state.run = engine, pool, run
@@ -55,6 +60,11 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     engine.start()
     state.created = int(time.time())
     state.ready = True
+
+
+def _has_embeddings(run_dir: Path | None) -> bool:
+    clients = Path(run_dir) / "adapters" / "clients" if run_dir is not None else None
+    return bool(clients and clients.is_dir() and any(clients.glob("*/embeddings.npy")))
 
 
 def _build_logged(state: ServerState, router: WeightRouter | None) -> None:

@@ -1,0 +1,52 @@
+"""FedDPA instance-wise weighting at serving time: the engine's prefill state -> ``(1 - a, a)``.
+
+Paper 000 section 4.3: the request's final-layer last-token state (captured by the engine during the
+prefill it runs anyway, with the global adapter on) is compared with S of the client's cached
+local-instance embeddings (``routing.cache``, a faiss index per client written at the end of
+training); ``a = lambda * mean cosine``, clipped to [0, 1], weights ``<client>:local`` and ``1 - a``
+the global adapter. Only the requested client's index is ever read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from routing.cache import IndexCache
+from routing.feddpa import FedDPARouter
+from serving.targets import GLOBAL, LOCAL_SUFFIX
+
+
+@dataclass
+class InstanceWeightRouter:
+    """A :class:`serving.targets.WeightRouter` backed by routing's FedDPA router and index cache.
+
+    Attributes:
+        router: the FedDPA decision rule (lambda, S, random or knn).
+        cache: per-client embedding indexes of the served run.
+        version: cache key part; bump it when the run is reloaded so no index is reused.
+    """
+
+    router: FedDPARouter
+    cache: IndexCache
+    version: int = 0
+    uses_state: bool = field(default=True, init=False)
+
+    @classmethod
+    def for_run(cls, run_dir: Path, lambda_: float, S: int = 5, mode: str = "random", seed: int | None = 0,
+                version: int = 0) -> InstanceWeightRouter:
+        """Build from a run directory's ``adapters/clients/<id>/embeddings.*`` files."""
+        return cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed),  # type: ignore[arg-type]
+                   IndexCache.for_run(run_dir), version)
+
+    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[Mapping[str, float], Mapping[str, Any]]:
+        if hidden_state is None:
+            raise ValueError("instance-wise FedDPA weighting needs the prompt's hidden state")
+        decision = self.router.decide(hidden_state, self.cache.get(client, self.version))
+        w = dict(zip(decision.names, decision.weights.tolist(), strict=True))
+        weights = {GLOBAL: float(w["global"]), f"{client}{LOCAL_SUFFIX}": float(w["local"])}
+        return weights, {**dict(decision.info), "source": "instance"}
