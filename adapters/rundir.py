@@ -11,14 +11,19 @@
       adapters/amole/                       FedAMoLE experts, token projections, assignments
       rounds/<r>/global/                    per-round checkpoints (plus rounds/<r>/clients/<id>/...)
       eval/                                 predictions cache, tables (Markdown, JSON), plots
+      .lock                                 held by the one process writing the run (see ``RunDir.lock``)
 
 Client ids are plain names; every path is built from them here and checked to stay inside the run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,3 +106,31 @@ class RunDir:
         if not isinstance(data, dict):
             raise AdapterError(f"{self.run_json} must hold a JSON object")
         return data
+
+    @contextlib.contextmanager
+    def lock(self, what: str = "training") -> Iterator[None]:
+        """Hold the run's writer lock while ``what`` writes it; a second writer fails at once.
+
+        Two trainers (or a trainer and ``--resume``) on one directory would interleave checkpoints
+        and metrics rows, so the second gets a clear error instead. The lock is an ``flock`` on
+        ``.lock``: the kernel drops it when the holder dies, so a crashed run never leaves the
+        directory locked.
+
+        Raises:
+            AdapterError: another process holds the lock (its pid and activity are in the message).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = path.read_text().strip() or "another process"
+                raise AdapterError(f"{self.root} is being written by {holder}; wait for it or use another --out") \
+                    from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} ({what})".encode())
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock

@@ -125,8 +125,20 @@ def run_federated(
     Raises:
         FileExistsError: ``out_dir`` already holds a run and ``resume`` is False (never overwritten).
         ValueError: resuming a run made with other settings.
+        AdapterError: another process is writing ``out_dir`` (the run directory's writer lock).
     """
     sim = SimConfig(rounds=sim) if isinstance(sim, int) else sim
+    get_method(method)  # an unknown method fails before anything touches the disk
+    with RunDir(Path(out_dir)).lock("training"):
+        return _run_locked(method, dataset, loaded, out_dir, sim, train, options, resume, data_spec, data_options,
+                           model_name)
+
+
+def _run_locked(
+    method: str, dataset: FederatedDataset, loaded: LoadedModel, out_dir: str | Path, sim: SimConfig,
+    train: TrainConfig, options: dict[str, Any] | None, resume: bool, data_spec: str,
+    data_options: dict[str, Any] | None, model_name: str | None,
+) -> RunSummary:
     m = get_method(method)
     opts = {**m.defaults, **(options or {}), "seed": sim.seed}
     run = RunDir(Path(out_dir))

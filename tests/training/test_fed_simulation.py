@@ -118,3 +118,15 @@ def test_saved_embeddings_are_the_global_adapters_last_token_states(tmp_path: Pa
         assert np.allclose(saved[:2], again, atol=1e-4)
         sims, idx = index.search(again[:1] / np.linalg.norm(again[:1]), 1)
         assert idx[0, 0] == 0 and sims[0, 0] == pytest.approx(1.0, abs=1e-4)  # unit vectors, inner product
+
+
+def test_a_second_writer_on_the_same_run_directory_is_refused(tmp_path: Path) -> None:
+    from adapters.config import AdapterError
+
+    run = RunDir(tmp_path / "busy")
+    with run.lock("a test holding it"):
+        with pytest.raises(AdapterError, match=r"being written by pid \d+ \(a test holding it\)"):
+            _run("fedit", run.root, rounds=1)
+        assert not run.run_json.exists()  # the refused writer touched nothing
+    _run("fedit", run.root, rounds=1)  # released on exit: the run goes ahead
+    assert (run.root / "summary.json").is_file()
