@@ -10,11 +10,13 @@ from training.algorithms.fedit import CENTRALIZED, FEDIT, FEDPROX
 from training.algorithms.fedmcp import FEDMCP
 from training.algorithms.fedoa import FEDOA
 from training.algorithms.local import FEDLORA, LOCAL
+from training.algorithms.pfedseq import PFEDSEQ
 from training.protocol import Method
 
 ALGORITHMS: dict[str, Method] = {
     m.name: m for m in (LOCAL, CENTRALIZED, FEDIT, FEDPROX, FEDLORA, FEDDPA_F, FEDDPA_T, FEDOA, FEDMCP, FEDAMOLE)
 }
+ALGORITHMS[PFEDSEQ.name] = PFEDSEQ
 
 
 def get_method(name: str) -> Method:

@@ -1,0 +1,326 @@
+"""pFedSeq: the selective scan against a scalar recurrence, the learners, the server protocol, a tiny-model run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adapters.rundir import RunDir
+from fedmosaic.tiny import tiny_llama
+from training.algorithms import get_method
+from training.algorithms.pfedseq import RECEIVED, PFedSeqClient, PFedSeqConfig, PFedSeqStrategy, checksum
+from training.data import generate_suite
+from training.protocol import ClientContext, FitIns, FitRes
+from training.runtime import Runtime, preset
+from training.seqlearn import ssm
+from training.seqlearn.history import Layout, accumulate_proxy_grad, calibrate, learner_step
+from training.seqlearn.learners import make_learner
+from training.simulation import SimConfig, run_federated
+
+CLIENTS = ["a", "b", "c"]
+
+
+def _scan_reference(u, delta, A, B, C, D, z, delta_bias):  # noqa: ANN001, ANN202
+    """h_j = exp(dt_j A) h_{j-1} + dt_j B_j u_j; y_j = C_j . h_j + D u_j; y_j *= silu(z_j), one scalar at a time."""
+    b, d, steps = u.shape
+    n = A.shape[1]
+    out = torch.zeros(b, d, steps, dtype=torch.float64)
+    for i in range(b):
+        for c in range(d):
+            h = [0.0] * n
+            for j in range(steps):
+                dt = math.log1p(math.exp(float(delta[i, c, j] + delta_bias[c])))  # softplus
+                h = [math.exp(dt * float(A[c, s])) * h[s] + dt * float(B[i, s, j]) * float(u[i, c, j])
+                     for s in range(n)]
+                y = sum(float(C[i, s, j]) * h[s] for s in range(n)) + float(D[c]) * float(u[i, c, j])
+                zz = float(z[i, c, j])
+                out[i, c, j] = y * zz / (1.0 + math.exp(-zz))
+    return out
+
+
+def test_selective_scan_equals_the_step_by_step_recurrence() -> None:
+    g = torch.Generator().manual_seed(0)
+    b, d, n, steps = 2, 3, 4, 5
+    u, delta, z = (torch.randn(b, d, steps, generator=g) for _ in range(3))
+    A = -torch.rand(d, n, generator=g) * 2
+    B, C = torch.randn(b, n, steps, generator=g), torch.randn(b, n, steps, generator=g)
+    D, bias = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    y = ssm.selective_scan(u, delta, A, B, C, D, z=z, delta_bias=bias, delta_softplus=True)
+    ref = _scan_reference(u, delta, A, B, C, D, z, bias)
+    assert y.shape == (b, d, steps)
+    assert torch.allclose(y.double(), ref, atol=1e-5)
+
+
+def _scan_autograd(u, delta, A, B, C):  # noqa: ANN001, ANN202
+    """The same recurrence through plain autograd (float64), for the hand-written backward."""
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=u.dtype)
+    ys = []
+    for j in range(u.shape[-1]):
+        h = torch.exp(delta[..., j, None] * A) * h + (delta[..., j] * u[..., j])[..., None] * B[:, None, :, j]
+        ys.append((h * C[:, None, :, j]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+def test_selective_scan_backward_equals_autograd_through_the_recurrence() -> None:
+    g = torch.Generator().manual_seed(1)
+    b, d, n, steps = 3, 4, 5, 6
+    args = [torch.randn(b, d, steps, generator=g, dtype=torch.float64),
+            torch.rand(b, d, steps, generator=g, dtype=torch.float64),
+            -torch.rand(d, n, generator=g, dtype=torch.float64),
+            torch.randn(b, n, steps, generator=g, dtype=torch.float64),
+            torch.randn(b, n, steps, generator=g, dtype=torch.float64)]
+    weight = torch.randn(b, d, steps, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (ssm.selective_scan, _scan_autograd):
+        leaves = [a.clone().requires_grad_(True) for a in args]
+        (fn(*leaves) * weight).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for mine, ref in zip(*grads, strict=True):
+        assert torch.allclose(mine, ref, atol=1e-10)
+
+
+def test_mamba_block_is_causal_over_rounds() -> None:
+    torch.manual_seed(0)
+    block = ssm.MambaBlock(3, backend="torch")
+    x = torch.randn(4, 6, 3)
+    later = x.clone()
+    later[:, 4:] += 1.0
+    y, y2 = block(x), block(later)
+    assert torch.allclose(y[:, :4], y2[:, :4], atol=1e-6) and not torch.allclose(y[:, 4:], y2[:, 4:])
+
+
+@pytest.mark.parametrize(("importable", "cuda", "device", "expected"), [
+    (True, True, "cuda", "kernel"), (True, True, "cpu", "torch"), (True, False, "cuda", "torch"),
+    (False, True, "cuda", "torch"),
+])
+def test_scan_backend_takes_the_kernel_only_with_package_cuda_and_cuda_tensors(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, importable: bool, cuda: bool, device: str,
+    expected: str,
+) -> None:
+    def never_called(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the decision test must not run a scan")
+
+    monkeypatch.setattr(ssm, "_kernel", lambda: (never_called, "9.9") if importable else (None, "not installed"))
+    monkeypatch.setattr(ssm, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(ssm, "_ANNOUNCED", set())
+    with caplog.at_level(logging.INFO, logger="training.seqlearn.ssm"):
+        choice, _ = ssm.scan_backend(torch.device(device))
+        ssm.scan_backend(torch.device(device))  # the same choice is logged once
+    assert choice == expected
+    assert (ssm.scan_fn(torch.device(device)) is never_called) == (expected == "kernel")
+    lines = [r.getMessage() for r in caplog.records if "selective scan" in r.getMessage()]
+    wanted = "mamba-ssm CUDA kernel" if expected == "kernel" else "pure PyTorch"
+    assert len(lines) == 1 and wanted in lines[0]
+    assert ssm.scan_backend(torch.device(device), "torch")[0] == "torch"
+    if expected != "kernel":
+        with pytest.raises(ValueError, match="'kernel' requested but unavailable"):
+            ssm.scan_backend(torch.device(device), "kernel")
+    with pytest.raises(ValueError, match="scan backend must be one of"):
+        ssm.scan_backend(torch.device(device), "triton")
+
+
+@pytest.mark.skipif(ssm.kernel_scan() is None or not torch.cuda.is_available(), reason="needs mamba-ssm on CUDA")
+def test_mamba_ssm_kernel_matches_the_pure_pytorch_learner() -> None:
+    torch.manual_seed(0)
+    learner = make_learner("ssm", 8, 10, backend="torch").cuda()
+    x = torch.randn(4096, 10, 8, device="cuda")
+    reference = learner(x)
+    for block in learner.stack.mixers:
+        block.backend = "kernel"
+    assert torch.allclose(learner(x), reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["ssm", "lstm", "mlp"])
+def test_learner_output_is_one_calibration_per_client_at_the_last_step(kind: str) -> None:
+    torch.manual_seed(0)
+    learner = make_learner(kind, 3, 4, backend="torch")
+    for steps in (1, 4):
+        assert learner(torch.randn(7, steps, 3)).shape == (7, 3)
+    with pytest.raises(ValueError, match="expects"):
+        learner(torch.randn(7, 2, 5))
+    if kind == "mlp":
+        with pytest.raises(ValueError, match="at most 4 steps"):
+            learner(torch.randn(7, 5, 3))
+    with pytest.raises(ValueError, match="unknown learner"):
+        make_learner("gru", 3, 4)
+
+
+def _state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.{m}.lora_{ab}": torch.randn(shape, generator=g) * scale
+            for i in (0, 1, 10) for m in ("q_proj", "v_proj") for ab, shape in (("A", (2, 5)), ("B", (3, 2)))}
+
+
+def test_layout_groups_by_backbone_layer_and_round_trips() -> None:
+    state = _state(0)
+    layout = Layout.from_state(state)
+    assert [g[0] for g in layout.groups] == ["model.layers.0", "model.layers.1", "model.layers.10"]
+    assert layout.size == sum(v.numel() for v in state.values()) and layout.groups[1][1] == layout.groups[0][2]
+    back = layout.unflatten(layout.flatten(state))
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert Layout.from_dict(json.loads(json.dumps(layout.asdict()))) == layout
+    with pytest.raises(ValueError, match="keys differ"):
+        layout.flatten({k: v for k, v in state.items() if "layers.1." not in k})
+
+
+@pytest.mark.parametrize("kind", ["ssm", "lstm", "mlp"])
+def test_proxy_update_moves_the_calibration_along_the_clients_new_updates(kind: str) -> None:
+    torch.manual_seed(1)
+    n, d = 3, 64
+    window = [torch.randn(n, d) * 1e-3 for _ in range(3)]
+    updates = torch.randn(n, d) * 1e-3
+    learner = make_learner(kind, n, 4, backend="torch")
+    before = calibrate(learner, window, 0, d, chunk=16)
+    opt = torch.optim.Adam(learner.parameters(), lr=1e-4)
+    learner_step([learner], [("all", 0, d)], window, updates, opt, chunk=16)
+    after = calibrate(learner, window, 0, d, chunk=16)
+    assert float(((after - before) * updates).sum()) > 0  # xi moved toward Delta (pFedHN's sign)
+    assert float(((after - before) * -updates).sum()) < 0
+
+
+@pytest.mark.parametrize("kind", ["ssm", "mlp"])
+def test_chunked_and_unchunked_learner_passes_are_equal(kind: str) -> None:
+    n, d = 3, 50
+    window = [torch.randn(n, d) for _ in range(4)]
+    updates = torch.randn(n, d)
+    grads, outs = [], []
+    for chunk in (d, 7):
+        torch.manual_seed(2)
+        learner = make_learner(kind, n, 4, backend="torch")
+        accumulate_proxy_grad(learner, window, updates, 0, d, chunk)
+        grads.append([p.grad.clone() for p in learner.parameters()])
+        outs.append(calibrate(learner, window, 0, d, chunk))
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads, strict=True))
+
+
+def _results(round_idx: int) -> list[FitRes]:
+    """Each client's upload: a deterministic update (scale 1e-3, like LoRA updates) and its data size."""
+    return [FitRes(c, _state(100 * round_idx + i, 1e-3), 2 + i) for i, c in enumerate(CLIENTS)]
+
+
+def _play(strategy: PFedSeqStrategy, state: dict[str, torch.Tensor], rounds: range):  # noqa: ANN202
+    sent, globals_ = [], []
+    for r in rounds:
+        ins = strategy.configure_round(r, CLIENTS, state)
+        sent.append({c: ins[c].state for c in CLIENTS})
+        globals_.append(state)
+        res = _results(r)
+        new = strategy.aggregate(r, res, [], state)
+        assert new is not None
+        # eq 1: data-size FedAvg of theta_hat_i = what was sent + the update
+        total = sum(x.num_examples for x in res)
+        for k in state:
+            want = sum(x.num_examples / total * (sent[-1][x.client_id][k] + x.state[k]) for x in res)
+            assert torch.allclose(new[k], want, atol=1e-6)
+        state = new
+    return state, sent, globals_
+
+
+def test_warm_up_rounds_send_the_global_then_the_calibrated_adapters() -> None:
+    strategy = PFedSeqStrategy(PFedSeqConfig(warmup=2, window=2, server_device="cpu", chunk=5), seed=0)
+    state = _state(0, 0.1)
+    state, sent, globals_ = _play(strategy, state, range(3))
+    assert all(torch.equal(sent[r][c][k], globals_[r][k])
+               for r in (0, 1, 2) for c in CLIENTS for k in state)  # rounds t = 1..3: t - 1 <= W, the global
+    learner0 = [p.clone() for p in strategy.learners.parameters()]
+    ins = strategy.configure_round(3, CLIENTS, state)  # t = 3 > W: global + xi_i
+    assert all(ins[c].config["personalized"] for c in CLIENTS)
+    layout = strategy.layout
+    expected = torch.cat([calibrate(learner, strategy.history.steps, s, e, 1000)
+                          for learner, (_, s, e) in zip(strategy.learners, layout.groups, strict=True)], dim=1)
+    for i, c in enumerate(CLIENTS):
+        got = layout.flatten(ins[c].state) - layout.flatten(state)
+        assert torch.allclose(got, expected[i], atol=1e-6)
+    assert not torch.allclose(layout.flatten(ins["a"].state), layout.flatten(ins["b"].state))
+    assert all(torch.equal(a, b) for a, b in zip(learner0, strategy.learners.parameters(), strict=True))
+
+
+def test_strategy_state_round_trips_through_json_and_continues_identically() -> None:
+    cfg = PFedSeqConfig(warmup=1, window=2, server_device="cpu", chunk=8)
+    first = PFedSeqStrategy(cfg, seed=3)
+    state, _, _ = _play(first, _state(0, 0.1), range(3))
+    second = PFedSeqStrategy(cfg, seed=3)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    end_a, sent_a, _ = _play(first, state, range(3, 5))
+    end_b, sent_b, _ = _play(second, state, range(3, 5))
+    assert all(torch.equal(end_a[k], end_b[k]) for k in end_a)
+    assert all(torch.equal(sent_a[r][c][k], sent_b[r][c][k]) for r in (0, 1) for c in CLIENTS for k in end_a)
+
+
+def test_an_upload_trained_from_another_adapter_than_sent_is_refused() -> None:
+    strategy = PFedSeqStrategy(PFedSeqConfig(warmup=0, window=2, server_device="cpu"))
+    state, _, _ = _play(strategy, _state(0, 0.1), range(1))
+    ins = strategy.configure_round(1, CLIENTS, state)  # personalized: each client its own adapter
+    honest = [FitRes(r.client_id, r.state, r.num_examples, {RECEIVED: checksum(ins[r.client_id].state)})
+              for r in _results(1)]
+    broadcast = [FitRes(r.client_id, r.state, r.num_examples, {RECEIVED: checksum(state)}) for r in _results(1)]
+    with pytest.raises(ValueError, match="trained from another adapter"):
+        strategy.aggregate(1, broadcast, [], state)  # a runtime that sent everyone the global
+    assert strategy.aggregate(1, honest, [], state) is not None
+
+
+def test_a_client_outside_the_roster_is_refused_clearly() -> None:
+    strategy = PFedSeqStrategy(PFedSeqConfig(clients=("a", "b"), server_device="cpu"))
+    with pytest.raises(ValueError, match="joined later"):
+        strategy.configure_round(0, ["a", "z"], _state(0))
+    with pytest.raises(ValueError, match="learner must be one of"):
+        PFedSeqConfig.from_options({"learner": "transformer"})
+    assert PFedSeqConfig.from_options({"clients": "x,y", "window": "3"}).clients == ("x", "y")
+
+
+def test_client_uploads_the_update_and_keeps_the_trained_adapter_private() -> None:
+    rt = Runtime(tiny_llama(), preset("tiny"))
+    data = generate_suite(n_train=4, n_test=1, families=["sorting"])
+    ctx = ClientContext(data.clients[0].client_id, data.clients[0], rt, {}, seed=0)
+    received = rt.fresh("global", 5)
+    res = PFedSeqClient().fit(FitIns(round=0, state=received), ctx)
+    assert set(res.state) == set(received) and res.num_examples == 4
+    assert all(torch.allclose(received[k] + res.state[k], ctx.private["local"][k], atol=1e-7) for k in received)
+    assert res.metrics[RECEIVED] == pytest.approx(checksum(received))
+    assert any(float(v.abs().max()) > 0 for v in res.state.values())
+
+
+DATA_OPTIONS = {"n_train": 4, "n_test": 1, "families": ["sorting", "capitals"]}
+OPTIONS = {"warmup": 1, "window": 2, "server_device": "cpu"}
+
+
+def _run(out: Path, rounds: int, resume: bool = False) -> RunDir:
+    run_federated("pfedseq", generate_suite(**DATA_OPTIONS), tiny_llama(), out, SimConfig(rounds=rounds, embed=False),
+                  preset("tiny"), OPTIONS, resume=resume, data_spec="generated", data_options=DATA_OPTIONS)
+    return RunDir(out)
+
+
+def _adapter(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_three_rounds_on_the_tiny_model_and_resume_equals_a_straight_run(tmp_path: Path) -> None:
+    straight = _run(tmp_path / "straight", 3)
+    rows = [json.loads(x) for x in straight.metrics.read_text().splitlines()]
+    agg = [x for x in rows if x.get("aggregate")]
+    assert [x["personalized_next"] for x in agg] == [0.0, 1.0, 1.0]  # W = 1
+    assert agg[0]["learner_grad_norm"] == 0.0 and agg[1]["learner_grad_norm"] > 0  # no update at t = 1
+    assert straight.read_config()["inference_weight"] == 1.0 and get_method("pfedseq").has_local
+    locals_ = {c: _adapter(straight.local_adapter(c)) for c in ("sorting", "capitals")}
+    assert any(not torch.equal(locals_["sorting"][k], locals_["capitals"][k]) for k in locals_["sorting"])
+    _run(tmp_path / "cut", 2)
+    resumed = _run(tmp_path / "cut", 3, resume=True)
+    a, b = _adapter(straight.global_adapter), _adapter(resumed.global_adapter)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for c in ("sorting", "capitals"):
+        la, lb = locals_[c], _adapter(resumed.local_adapter(c))
+        assert all(torch.equal(la[k], lb[k]) for k in la)
+
+
+def test_mamba_block_conv_taps_equal_torch_conv1d() -> None:
+    torch.manual_seed(3)
+    block = ssm.MambaBlock(5, backend="torch")
+    u = torch.randn(4, block.conv1d.in_channels, 7)
+    assert torch.allclose(block._causal_conv(u), block.conv1d(u)[..., :7], atol=1e-6)

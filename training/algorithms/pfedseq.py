@@ -1,0 +1,283 @@
+"""pFedSeq (paper 003, Algorithm 1; METHODS.md 4.1): FedAvg global plus per-client calibrations from a
+sequential learner over the last L rounds of client updates.
+
+Client: trains the adapter it received (its personalized adapter theta_i^{t-1}), keeps the result as its
+private ``local`` adapter (the personalized model that ``fedmosaic eval`` scores, inference weight 1)
+and uploads only the update ``Delta_i^t = trained - received``.
+
+Server, round t (1-based; our round index + 1): reconstruct ``theta_hat_i = theta_i^{t-1} + Delta_i``;
+global = data-size-weighted FedAvg of the ``theta_hat_i`` (eq 1); if t >= 2, one Adam step of every
+layer's learner on the previous window with the new updates as gradient proxy (eq 5); push the
+updates into the history (last L rounds); for t <= W every client is sent the global, afterwards
+``global + xi_i`` with ``xi = SeqLearner(last L steps)`` (eqs 3, 6). Clients missing from a round add a
+zero update. Clients echo a checksum of what they received, so a runtime that does not deliver each
+client's own FitIns fails loudly instead of corrupting the learner. The history, the sent
+calibrations, the learners and Adam's moments are the strategy's checkpointed state, so a resumed run
+repeats an uninterrupted one.
+
+The learners see each layer's window divided by its RMS (:mod:`training.seqlearn.history`); their
+output is the last step of a residual stream that starts at the newest update, so at initialisation
+``xi_i`` is close to client i's latest update (our reading of the paper's pre-norm residual Mamba
+stack without a final norm; the paper states no output scale).
+
+Options (paper defaults in ``PFEDSEQ.defaults``): ``warmup`` W (10), ``window`` L (10; 20 for the
+paper's CIFAR runs; ``window=1`` is ablation B), ``learner`` ``ssm`` | ``lstm`` (ablation E) | ``mlp``
+(ablation D), ``learner_lr`` (Adam, 1e-3), ``layers`` (2), ``d_state`` M (16), ``expand`` (2), ``d_conv``
+(4), ``mlp_hidden`` (100), ``max_grad_norm`` (none; pFedHN clips at 50), ``chunk`` (coordinates per
+learner pass, 2048), ``scan`` ``auto`` | ``torch`` | ``kernel`` (mamba-ssm), ``server_device`` ``auto`` |
+``cpu`` | ``cuda``, ``clients`` (the roster, i.e. the learner's channels in order; default: the clients of
+the first round).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from training.aggregate import weighted_average
+from training.algorithms.fedit import FedAvgStrategy, train_global
+from training.algorithms.local import train_local
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, derive_seed
+from training.seqlearn.history import Layout, UpdateHistory, calibrate, learner_step
+from training.seqlearn.learners import KINDS, make_learner
+
+
+@dataclass(frozen=True)
+class PFedSeqConfig:
+    """Server settings of pFedSeq (see the module docstring for each option)."""
+
+    warmup: int = 10
+    window: int = 10
+    learner: str = "ssm"
+    learner_lr: float = 1e-3
+    layers: int = 2
+    d_state: int = 16
+    expand: int = 2
+    d_conv: int = 4
+    mlp_hidden: int = 100
+    max_grad_norm: float | None = None
+    chunk: int = 2048
+    scan: str = "auto"
+    server_device: str = "auto"
+    clients: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.window < 1:
+            raise ValueError(f"pFedSeq needs warmup >= 0 and window >= 1, got {self.warmup}, {self.window}")
+        if self.learner not in KINDS:
+            raise ValueError(f"pFedSeq learner must be one of {list(KINDS)}, got {self.learner!r}")
+        if not self.learner_lr > 0 or self.chunk < 1:
+            raise ValueError(f"pFedSeq needs learner_lr > 0 and chunk >= 1, got {self.learner_lr}, {self.chunk}")
+        if self.server_device not in ("auto", "cpu", "cuda") and not self.server_device.startswith("cuda:"):
+            raise ValueError(f"server_device must be auto, cpu or cuda[:i], got {self.server_device!r}")
+        if len(set(self.clients)) != len(self.clients):
+            raise ValueError(f"pFedSeq clients list has duplicates: {list(self.clients)}")
+
+    @classmethod
+    def from_options(cls, o: Mapping[str, Any]) -> PFedSeqConfig:
+        """Build from method options (unknown keys such as ``seed`` are ignored)."""
+        kwargs = {k: o[k] for k in cls.__dataclass_fields__ if k in o and o[k] is not None}
+        if isinstance(kwargs.get("clients"), str):
+            kwargs["clients"] = [c for c in kwargs["clients"].split(",") if c]
+        kwargs["clients"] = tuple(kwargs.get("clients", ()))
+        for name in ("warmup", "window", "layers", "d_state", "expand", "d_conv", "mlp_hidden", "chunk"):
+            if name in kwargs:
+                kwargs[name] = int(kwargs[name])
+        for name in ("learner_lr", "max_grad_norm"):
+            if name in kwargs:
+                kwargs[name] = float(kwargs[name])
+        return cls(**kwargs)
+
+
+RECEIVED = "received_checksum"
+
+
+def checksum(state: Mapping[str, torch.Tensor]) -> float:
+    """Sum of every entry in float64: the client echoes it so the server knows what it trained from."""
+    return float(sum(float(v.detach().double().sum()) for v in state.values()))
+
+
+def pack(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Tensors as base64 safetensors text (the checkpoint keeps a strategy's state as JSON)."""
+    return base64.b64encode(st_save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})).decode()
+
+
+def unpack(text: str) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`pack`."""
+    return st_load(base64.b64decode(text))
+
+
+class PFedSeqStrategy(FedAvgStrategy):
+    """Server: FedAvg by data size, update history, per-layer learners, per-client calibrated adapters."""
+
+    def __init__(self, cfg: PFedSeqConfig, seed: int = 0) -> None:
+        super().__init__(seed=seed, weighting="num_examples")
+        self.cfg = cfg
+        dev = cfg.server_device
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
+        self.roster: list[str] = list(cfg.clients)
+        self.layout: Layout | None = None
+        self.history = UpdateHistory(cfg.window)
+        self.calib: torch.Tensor | None = None  # [N, D] sent after the last round; None: the plain global
+        self.learners: nn.ModuleList | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._metrics: dict[str, float] = {}
+        self._sent: dict[str, float] = {}  # checksum of what each client was sent this round
+
+    def _check_roster(self, clients: Sequence[str]) -> None:
+        if not self.roster:
+            self.roster = list(clients)
+        unknown = [c for c in clients if c not in self.roster]
+        if unknown:
+            raise ValueError(f"pFedSeq's learner has one channel per client of {self.roster}; {unknown} joined later. "
+                             "Pass every client with --option clients=a,b,c (or sample all clients in round 0)")
+
+    def _build(self, layout: Layout) -> None:
+        self.layout = layout
+        with torch.random.fork_rng(devices=[]):  # learner init from the run seed, the global RNG untouched
+            torch.manual_seed(derive_seed(self.seed, "pfedseq-learner"))
+            self.learners = nn.ModuleList(
+                make_learner(self.cfg.learner, len(self.roster), self.cfg.window, layers=self.cfg.layers,
+                             d_state=self.cfg.d_state, expand=self.cfg.expand, d_conv=self.cfg.d_conv,
+                             hidden=self.cfg.mlp_hidden, backend=self.cfg.scan)
+                for _ in layout.groups)
+        self.learners.to(self.device)
+        self.optimizer = torch.optim.Adam(self.learners.parameters(), lr=self.cfg.learner_lr)
+
+    def configure_round(self, round_idx: int, clients: list[str], state: StateDict) -> dict[str, FitIns]:
+        self._check_roster(clients)
+        if self.calib is None or self.layout is None:
+            out = {c: FitIns(round=round_idx, state=state, config={"personalized": False}) for c in clients}
+        else:
+            base = self.layout.flatten(state, self.device)
+            out = {}
+            for c in clients:
+                theta = self.layout.unflatten(base + self.calib[self.roster.index(c)])
+                out[c] = FitIns(round=round_idx, state={k: v.to(state[k].dtype) for k, v in theta.items()},
+                                config={"personalized": True})
+        self._sent = {c: checksum(ins.state) for c, ins in out.items()}
+        return out
+
+    def _check_received(self, res: FitRes) -> None:
+        # theta_hat = sent + Delta is only right if the client trained from what was sent: a runtime that
+        # broadcasts the global instead of each client's FitIns would silently corrupt the learner.
+        got, want = res.metrics.get(RECEIVED), self._sent.get(res.client_id)
+        if got is not None and want is not None and abs(got - want) > 1e-5 * (1.0 + abs(want)):
+            raise ValueError(f"client {res.client_id} trained from another adapter than pFedSeq sent it "
+                             f"(checksum {got:.6g} != {want:.6g}); the runtime must deliver configure_round's FitIns")
+
+    def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
+                  state: StateDict) -> StateDict | None:
+        if not results:
+            return None
+        began = time.perf_counter()
+        ids = [r.client_id for r in results]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"pFedSeq got two uploads from one client in round {round_idx}: {ids}")
+        self._check_roster(ids)
+        if self.layout is None:
+            self._build(Layout.from_state(state))
+        assert self.layout is not None and self.learners is not None and self.optimizer is not None
+        base = self.layout.flatten(state, self.device)
+        step = torch.zeros(len(self.roster), self.layout.size, device=self.device)  # absent clients: zero
+        updated = []
+        for res in results:
+            self._check_received(res)
+            i = self.roster.index(res.client_id)
+            step[i] = self.layout.flatten(res.state, self.device)
+            sent = base if self.calib is None else base + self.calib[i]
+            updated.append({"v": (sent + step[i]).cpu()})  # theta_hat_i = theta_i^{t-1} + Delta_i^t
+        merged = weighted_average(updated, [float(r.num_examples) for r in results])
+        assert merged is not None
+        groups = self.layout.groups
+        grad_norm = 0.0
+        if len(self.history):  # eq 5 on the previous window (the input of the calibrations just sent)
+            grad_norm = learner_step(list(self.learners), groups, self.history.steps, step, self.optimizer,
+                                     self.cfg.chunk, self.cfg.max_grad_norm)
+        self.history.push(step)
+        personalized = round_idx + 1 > self.cfg.warmup
+        self.calib = None
+        if personalized:
+            self.calib = torch.cat([calibrate(learner, self.history.steps, s, e, self.cfg.chunk)
+                                    for learner, (_, s, e) in zip(self.learners, groups, strict=True)], dim=1)
+        self._metrics = {"personalized_next": float(personalized), "learner_grad_norm": grad_norm,
+                         "update_rms": float(step.pow(2).mean().sqrt()),
+                         "calib_rms": float(self.calib.pow(2).mean().sqrt()) if self.calib is not None else 0.0,
+                         "server_seconds": round(time.perf_counter() - began, 4)}
+        out = self.layout.unflatten(merged["v"])
+        return {k: v.to(state[k].dtype) for k, v in out.items()}
+
+    def evaluate(self, round_idx: int, state: StateDict) -> dict[str, float] | None:
+        return dict(self._metrics) or None
+
+    def state_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"version": 1, "roster": list(self.roster)}
+        if self.layout is None or self.learners is None or self.optimizer is None:
+            return data
+        tensors = {f"history.{j}": s for j, s in enumerate(self.history.steps)}
+        tensors.update({f"learner.{k}": v for k, v in self.learners.state_dict().items()})
+        opt = self.optimizer.state_dict()
+        for idx, slot in opt["state"].items():
+            tensors.update({f"adam.{idx}.{name}": v for name, v in slot.items()})
+        if self.calib is not None:
+            tensors["calib"] = self.calib
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in opt["param_groups"]]
+        return {**data, "layout": self.layout.asdict(), "history": len(self.history.steps),
+                "adam_groups": groups, "tensors": pack(tensors)}
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        if int(data.get("version", 0)) != 1:
+            raise ValueError(f"unknown pFedSeq strategy state version {data.get('version')!r}")
+        self.roster = list(data["roster"])
+        if "layout" not in data:
+            return
+        self._build(Layout.from_dict(data["layout"]))
+        assert self.learners is not None and self.optimizer is not None
+        tensors = unpack(data["tensors"])
+        self.history.steps = [tensors[f"history.{j}"].to(self.device) for j in range(int(data["history"]))]
+        self.learners.load_state_dict({k[len("learner."):]: v for k, v in tensors.items() if k.startswith("learner.")})
+        slots: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("adam."):
+                _, idx, name = key.split(".", 2)
+                slots.setdefault(int(idx), {})[name] = value
+        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in data["adam_groups"]]
+        self.optimizer.load_state_dict({"state": slots, "param_groups": groups})
+        self.calib = tensors["calib"].to(self.device) if "calib" in tensors else None
+
+    def summary(self) -> dict[str, Any]:
+        return {"aggregation": "num_examples", "learner": self.cfg.learner, "warmup": self.cfg.warmup,
+                "window": self.cfg.window, "server_device": str(self.device), "clients": list(self.roster)}
+
+
+class PFedSeqClient(ClientAlgorithm):
+    """Client: train the received (calibrated) adapter, keep it as the personalized one, upload the update."""
+
+    def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
+        trained, metrics = train_global(ins, ctx)
+        ctx.private["local"] = trained  # theta_hat_i^t: the client's personalized adapter so far
+        delta = {k: trained[k] - ins.state[k].to(trained[k].dtype) for k in trained}
+        return FitRes(ctx.client_id, delta, len(ctx.data.train), {**metrics, RECEIVED: checksum(ins.state)})
+
+    def finalize(self, state: StateDict, ctx: ClientContext) -> None:
+        if "local" not in ctx.private:  # never sampled: personalize from the final global like FedIT-FT
+            train_local(ctx, round_idx=-1, start=state, phase="finetune")
+
+
+def _strategy(o: Mapping[str, Any]) -> PFedSeqStrategy:
+    return PFedSeqStrategy(PFedSeqConfig.from_options(o), seed=int(o.get("seed", 0)))
+
+
+PFEDSEQ = Method(
+    name="pfedseq", strategy=_strategy, client=lambda o: PFedSeqClient(), has_local=True, inference_weight=1.0,
+    defaults={"warmup": 10, "window": 10, "learner": "ssm", "learner_lr": 1e-3, "layers": 2, "d_state": 16,
+              "expand": 2, "d_conv": 4, "chunk": 2048, "scan": "auto"},
+)
