@@ -13,7 +13,10 @@ block averages per method, and the Markdown table. Usage::
 
     python bench/paper_table1.py [--methods fedit,fedlora,feddpa-f,feddpa-t,fedoa,fedmcp]
         [--data feddpa1] [--rounds 3] [--preset small] [--limit 5] [--max-new-tokens 32]
-        [--metric rouge1] [--out runs/table1] [--model smollm2]
+        [--metric rouge1] [--out runs/table1] [--model smollm2] [--option METHOD:KEY=VALUE ...]
+
+``--option`` passes a method option to one method, e.g. ``--option pfedseq:warmup=1`` (pFedSeq's
+paper warm-up is 10 rounds, longer than a small budget) or ``--option fedamole:top_k=2``.
 
 The ``small`` preset (6 local steps of 8 examples per round, cutoff 192) keeps one method well under an
 hour on a 2-core CPU; ``paper`` is the paper's budget for a real machine.
@@ -36,13 +39,30 @@ from training.simulation import SimConfig, run_federated
 DEFAULT_METHODS = "fedit,fedlora,feddpa-f,feddpa-t,fedoa,fedmcp"
 
 
-def _train(method: str, run_dir: Path, args: argparse.Namespace, loaded: Any, dataset: Any) -> dict[str, Any]:
+def _method_options(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``["pfedseq:warmup=1", ...]`` -> ``{"pfedseq": {"warmup": 1}}`` (values parsed as JSON when they are)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        method, colon, rest = item.partition(":")
+        key, eq, value = rest.partition("=")
+        if not colon or not eq or not method or not key:
+            raise SystemExit(f"--option expects METHOD:KEY=VALUE, got {item!r}")
+        try:
+            parsed: Any = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        out.setdefault(method, {})[key] = parsed
+    return out
+
+
+def _train(method: str, run_dir: Path, args: argparse.Namespace, loaded: Any, dataset: Any,
+           options: dict[str, Any]) -> dict[str, Any]:
     summary = run_dir / "summary.json"
     if summary.is_file():
         return {**json.loads(summary.read_text()), "reused": True}
     began = time.perf_counter()
     result = run_federated(method, dataset, loaded, run_dir, SimConfig(rounds=args.rounds, seed=args.seed),
-                           preset(args.preset), resume=(run_dir / "run.json").is_file(),
+                           preset(args.preset), options, resume=(run_dir / "run.json").is_file(),
                            data_spec=args.data, model_name=args.model)
     return {"seconds": round(time.perf_counter() - began, 1), "losses": [round(x, 4) for x in result.losses],
             "bytes_up": result.bytes_up, "bytes_down": result.bytes_down, "failures": len(result.failures)}
@@ -66,7 +86,9 @@ def main() -> None:
     p.add_argument("--metric", default="rouge1")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", default="runs/table1")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD:KEY=VALUE")
     args = p.parse_args()
+    per_method = _method_options(args.option)
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     out = Path(args.out)
@@ -78,7 +100,7 @@ def main() -> None:
         if not (run_dir / "summary.json").is_file():
             loaded = loaded or load_base_model(args.model)
         # each run injects its own adapters: a fresh base model per training run keeps runs independent
-        train = _train(method, run_dir, args, loaded, dataset)
+        train = _train(method, run_dir, args, loaded, dataset, per_method.get(method, {}))
         loaded = None
         began = time.perf_counter()
         results = evaluate_run(run_dir, EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens,

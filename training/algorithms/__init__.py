@@ -14,9 +14,9 @@ from training.algorithms.pfedseq import PFEDSEQ
 from training.protocol import Method
 
 ALGORITHMS: dict[str, Method] = {
-    m.name: m for m in (LOCAL, CENTRALIZED, FEDIT, FEDPROX, FEDLORA, FEDDPA_F, FEDDPA_T, FEDOA, FEDMCP, FEDAMOLE)
+    m.name: m
+    for m in (LOCAL, CENTRALIZED, FEDIT, FEDPROX, FEDLORA, FEDDPA_F, FEDDPA_T, FEDOA, FEDMCP, FEDAMOLE, PFEDSEQ)
 }
-ALGORITHMS[PFEDSEQ.name] = PFEDSEQ
 
 
 def get_method(name: str) -> Method:
