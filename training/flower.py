@@ -1,12 +1,27 @@
-"""The Flower bridge: the same method objects as a Flower ServerApp / ClientApp (flwr 1.41, Message API).
+"""The Flower bridge: any registered method as a Flower ServerApp / ClientApp (flwr 1.41, Message API).
 
-The server runs our round loop (Flower's "write the loop yourself" option, anchors/federated.md 2.2),
-so every method, including multi-message ones later, fits: each round it sends every node a ``train``
-message with the method's instructions (the global adapter as an ``ArrayRecord``, the round in a
-``ConfigRecord``), collects the uploads, and calls the method's ``aggregate``. Each node is one client
-(``partition-id`` from its node config); its private state (the local adapter) lives in
-``Context.state`` and is mirrored to disk, since a SuperNode keeps that state in memory only. Only
-what the method uploads crosses the network (for FedDPA the global adapter, paper 000 Table 12).
+The server runs the simulator's round loop itself (Flower's "write the loop yourself" option,
+anchors/federated.md 2.2), so every method fits unchanged:
+
+1. once per run, a ``query.identify`` message to every node: each answers with its ``partition-id``
+   and the data set client it serves, giving the node -> client map;
+2. each round, the clients are selected as the simulator selects them, the method's
+   ``strategy.configure_round`` gives each its own FitIns, and each node gets one ``train`` message
+   with ITS instructions (state as an ``ArrayRecord``, config as a ``ConfigRecord``, see
+   :mod:`training.flower_messages`); replies become FitRes, an error reply or a missing one is logged
+   and left out, then ``aggregate``, ``evaluate``, the round checkpoint (with ``strategy.state_dict()``)
+   and the metrics rows, as in :mod:`training.simulation`;
+3. at the end, the method's ``export`` when it has one (FedAMoLE: experts, token projections,
+   assignments), else a ``train.finalize`` message for methods with a local adapter, then the PEFT
+   folders.
+
+FedAMoLE needs no separate embedding phase: as in the reference loop (METHODS.md 1.6), clients embed
+their embedding set right after local training and upload the embeddings with the round's weights;
+the server's RSEA turns them into the next round's assignment (round 0: random scores). So a round
+is one message per node, different per node (paper 002, section 4.4).
+
+Each node's private state (a local adapter) lives in ``Context.state`` and is mirrored to disk, since a
+SuperNode keeps that state in memory only. Only what the method uploads crosses the network.
 """
 
 from __future__ import annotations
@@ -14,11 +29,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
@@ -27,8 +43,17 @@ from adapters import write_adapter_folder
 from adapters.rundir import RunDir
 from training.algorithms import get_method
 from training.checkpoint import save_round
-from training.protocol import ClientContext, FitIns, FitRes, StateDict
+from training.flower_messages import (
+    FINALIZE,
+    exchange,
+    identify_nodes,
+    identity_content,
+    read_fit_content,
+    reply_content,
+)
+from training.protocol import ClientContext, FitIns, FitRes, StateDict, state_bytes
 from training.runtime import Runtime, TrainConfig, preset
+from training.simulation import RunSummary, SimConfig, select_clients
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +66,15 @@ class FlowerConfig:
         method: a registered method name.
         data: data set spec (every node loads the same spec and takes its ``partition-id``).
         rounds: communication rounds.
-        out: run directory the server writes (checkpoints, final global adapter).
-        model: base model (``smollm2``, ``tiny`` or a folder) loaded once per process.
+        out: run directory the server writes (checkpoints, final adapters); must not hold a run yet.
+        model: base model (``smollm2``, ``tiny`` or a folder).
         preset: training preset name.
         seed: run seed.
         options: method options (JSON object).
         data_options: data set options (JSON object), e.g. the generated suite's sizes.
         client_dir: where nodes mirror their private state (default ``<out>/flower-clients``).
-        timeout: seconds the server waits for the replies of a round.
+        timeout: seconds the server waits for the replies of one exchange.
+        fraction: share of clients per round, drawn as the simulator draws them.
     """
 
     method: str = "feddpa-t"
@@ -62,6 +88,7 @@ class FlowerConfig:
     data_options: dict[str, Any] = field(default_factory=dict)
     client_dir: str = ""
     timeout: float = 3600.0
+    fraction: float = 1.0
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FlowerConfig:
@@ -77,7 +104,8 @@ class FlowerConfig:
 
 @functools.lru_cache(maxsize=2)
 def _runtime(model: str, preset_name: str) -> Runtime:
-    # One base model per process: Ray actors are reused across rounds in simulation (federated.md 2.3).
+    # One base model per node process: Ray actors are reused across rounds in simulation (federated.md 2.3).
+    # Clients load every tensor they train from the message, so the cached adapters never leak into a fit.
     from fedmosaic.models import load_base_model
 
     return Runtime(load_base_model(model), preset(preset_name))
@@ -94,32 +122,44 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
     """A ClientApp running the method's client half; ``config`` None reads ``context.run_config``."""
     app = ClientApp()
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
+    def _client(context: Context):  # noqa: ANN202
         cfg = config or FlowerConfig.from_run_config(dict(context.run_config))
-        dataset = _dataset(cfg.data, json.dumps(cfg.data_options, sort_keys=True))
-        client = dataset.clients[int(context.node_config["partition-id"])]
+        clients = _dataset(cfg.data, json.dumps(cfg.data_options, sort_keys=True)).clients
+        partition = int(context.node_config["partition-id"])
+        if not 0 <= partition < len(clients):
+            raise ValueError(f"partition-id {partition} is outside the {len(clients)} clients of {cfg.data!r}")
+        return cfg, partition, clients[partition]
+
+    @app.query("identify")
+    def identify(msg: Message, context: Context) -> Message:
+        _, partition, client = _client(context)
+        return Message(content=identity_content(partition, client.client_id), reply_to=msg)
+
+    def _fit(msg: Message, context: Context, finalize: bool) -> Message:
+        cfg, _, client = _client(context)
+        addressed, ins = read_fit_content(msg.content)
+        if addressed != client.client_id:
+            raise ValueError(f"this node serves client {client.client_id!r}, the server addressed {addressed!r}")
         rt = _runtime(cfg.model, cfg.preset)
         mirror = Path(cfg.client_dir or Path(cfg.out) / "flower-clients") / client.client_id
-        private = _load_private(context, mirror)
         m = get_method(cfg.method)
         opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
-        ctx = ClientContext(client.client_id, client, rt, private, cfg.seed)
-        round_idx = int(msg.content["config"]["round"])
-        state = msg.content["arrays"].to_torch_state_dict()
-        if msg.content["config"].get("finalize", False):
-            m.client(opts).finalize(state, ctx)
+        ctx = ClientContext(client.client_id, client, rt, _load_private(context, mirror), cfg.seed)
+        if finalize:
+            m.client(opts).finalize(ins.state, ctx)
             res = FitRes(client.client_id, {}, len(client.train), {})
         else:
-            res = m.client(opts).fit(FitIns(round=round_idx, state=state), ctx)
+            res = m.client(opts).fit(ins, ctx)
         _store_private(context, mirror, ctx.private)
-        content = RecordDict({
-            "arrays": ArrayRecord(torch_state_dict=res.state),
-            "metrics": MetricRecord({"num-examples": res.num_examples,
-                                     **{k: float(v) for k, v in res.metrics.items()}}),
-            "config": ConfigRecord({"client-id": client.client_id}),
-        })
-        return Message(content=content, reply_to=msg)
+        return Message(content=reply_content(res), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return _fit(msg, context, finalize=False)
+
+    @app.train("finalize")
+    def finalize(msg: Message, context: Context) -> Message:
+        return _fit(msg, context, finalize=True)
 
     return app
 
@@ -140,63 +180,100 @@ def _store_private(context: Context, mirror: Path, private: dict[str, StateDict]
 
 
 def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
-    """A ServerApp running the method's server half in our round loop."""
+    """A ServerApp running the method's server half in the simulator's round loop."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         cfg = config or FlowerConfig.from_run_config(dict(context.run_config))
-        m = get_method(cfg.method)
-        opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
-        rt = _runtime(cfg.model, cfg.preset)
         run = RunDir(Path(cfg.out))
-        run.root.mkdir(parents=True, exist_ok=True)
-        run.run_json.write_text(json.dumps({"method": m.name, "data": cfg.data, "data_options": cfg.data_options,
-                                            "model": cfg.model, "seed": cfg.seed, "rounds": cfg.rounds,
-                                            "options": opts, "runtime": "flower", "flower": asdict(cfg),
-                                            "inference_weight": m.mixture_weight(opts) or 0.0}, indent=2))
-        strategy = m.strategy(opts)
-        state = strategy.initial_state(rt)
-        nodes = sorted(grid.get_node_ids())
-        for r in range(cfg.rounds):
-            replies = _round(grid, nodes, r, state, cfg.timeout)
-            results, failures = [], []
-            for reply in replies:
-                if reply.has_error():
-                    failures.append((str(reply.metadata.src_node_id), str(reply.error.reason)))
-                    continue
-                metrics = dict(reply.content["metrics"])
-                results.append(FitRes(str(reply.content["config"]["client-id"]),
-                                      reply.content["arrays"].to_torch_state_dict(),
-                                      int(metrics.pop("num-examples")), metrics))
-            new = strategy.aggregate(r, results, failures, state)
-            state = new if new is not None else state
-            save_round(run, r, state, strategy.state_dict(), {}, rt.train.lora, rt.adapted.base_model_name)
-            logger.info("flower round %d: %d results, %d failures", r, len(results), len(failures))
-        if m.has_local:
-            _round(grid, nodes, cfg.rounds, state, cfg.timeout, finalize=True)
-        if state:
-            write_adapter_folder(run.global_adapter, rt.train.lora, state, rt.adapted.base_model_name)
-        mirror = Path(cfg.client_dir or run.root / "flower-clients")
-        for cdir in sorted(mirror.iterdir()) if mirror.is_dir() else []:
-            local = cdir / "local.safetensors"
-            if local.is_file():
-                write_adapter_folder(run.local_adapter(cdir.name), rt.train.lora, load_file(str(local)),
-                                     rt.adapted.base_model_name)
+        with run.lock("flower training"):
+            _serve(grid, cfg, run)
 
     return app
 
 
-def _round(
-    grid: Grid, nodes: list[int], r: int, state: StateDict, timeout: float, finalize: bool = False
-) -> list[Message]:
-    messages = [
-        Message(content=RecordDict({"arrays": ArrayRecord(torch_state_dict=state),
-                                    "config": ConfigRecord({"round": r, "finalize": finalize})}),
-                dst_node_id=nid, message_type=MessageType.TRAIN)
-        for nid in nodes
-    ]
-    return list(grid.send_and_receive(messages, timeout=timeout))
+def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
+    from fedmosaic.models import load_base_model
+
+    t0 = time.perf_counter()
+    m = get_method(cfg.method)
+    if m.centralized:
+        raise ValueError(f"{m.name} pools every client's data in one trainer; run it in the simulator")
+    if run.run_json.is_file():
+        raise FileExistsError(f"{run.root} already holds a run; pick another out directory")
+    opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
+    dataset = _dataset(cfg.data, json.dumps(cfg.data_options, sort_keys=True))
+    sim = SimConfig(rounds=cfg.rounds, fraction=cfg.fraction, seed=cfg.seed, embed=False)
+    rt = Runtime(load_base_model(cfg.model), preset(cfg.preset))  # fresh: the strategy's initial state
+    strategy = m.strategy(opts)
+    state = strategy.initial_state(rt)
+    run.run_json.write_text(json.dumps({
+        "method": m.name, "data": cfg.data, "data_options": cfg.data_options, "model": cfg.model, "seed": cfg.seed,
+        "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": None, "options": opts,
+        "train": rt.train.asdict(), "inference_weight": m.mixture_weight(opts) or 0.0, "runtime": "flower",
+        "flower": asdict(cfg)}, indent=2))
+    nodes = identify_nodes(grid, cfg.timeout)
+    losses: list[float] = []
+    up = down = 0
+    failures_all: list[tuple[int, str, str]] = []
+    for r in range(cfg.rounds):
+        began = time.perf_counter()
+        selected = select_clients(dataset, sim, r)
+        present = [c for c in selected if c in nodes]
+        instructions = strategy.configure_round(r, present, state)
+        results, failures = exchange(grid, {c: (nodes[c], instructions[c]) for c in present}, cfg.timeout)
+        failures += [(c, "no connected node serves this client") for c in selected if c not in nodes]
+        for cid, error in failures:
+            logger.warning("flower round %d: client %s left out: %s", r, cid, error)
+            _log(run, {"round": r, "client": cid, "status": "failed", "error": error})
+        round_up = sum(res.bytes for res in results)
+        round_down = sum(state_bytes(instructions[res.client_id].state) for res in results)
+        for res in results:
+            _log(run, {"round": r, "client": res.client_id, "status": "ok", "num_examples": res.num_examples,
+                       "bytes_down": state_bytes(instructions[res.client_id].state), "bytes_up": res.bytes,
+                       **res.metrics})
+        new = strategy.aggregate(r, results, failures, state)
+        state = new if new is not None else state
+        server_metrics = strategy.evaluate(r, state) or {}
+        losses.append(sum(x.metrics.get("loss", 0.0) for x in results) / max(1, len(results)))
+        up, down, failures_all = up + round_up, down + round_down, failures_all + [(r, c, e) for c, e in failures]
+        save_round(run, r, state, strategy.state_dict(), {}, rt.train.lora, rt.adapted.base_model_name,
+                   peft_global=m.export is None)
+        _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures),
+                   "loss": losses[-1], "bytes_up": round_up, "bytes_down": round_down,
+                   "seconds": round(time.perf_counter() - began, 3), **server_metrics})
+        logger.info("flower round %d: %d results, %d failures", r, len(results), len(failures))
+    if m.export is not None:
+        m.export(run, rt, state, strategy)
+    else:
+        _finish(grid, cfg, run, m.has_local, nodes, state, rt)
+    summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
+                         round(time.perf_counter() - t0, 2))
+    (run.root / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+
+
+def _finish(grid: Grid, cfg: FlowerConfig, run: RunDir, has_local: bool, nodes: dict[str, int], state: StateDict,
+            rt: Runtime) -> None:
+    """Personalize (``train.finalize``) where clients keep a local adapter, then write the PEFT folders."""
+    if has_local:
+        _, failed = exchange(grid, {c: (nid, FitIns(cfg.rounds, state)) for c, nid in nodes.items()}, cfg.timeout,
+                              FINALIZE)
+        for cid, error in failed:
+            logger.warning("client %s did not finalize: %s", cid, error)
+    if state:
+        write_adapter_folder(run.global_adapter, rt.train.lora, state, rt.adapted.base_model_name)
+    mirror = Path(cfg.client_dir or run.root / "flower-clients")
+    for cdir in sorted(mirror.iterdir()) if mirror.is_dir() else []:
+        local = cdir / "local.safetensors"
+        if local.is_file():
+            write_adapter_folder(run.local_adapter(cdir.name), rt.train.lora, load_file(str(local)),
+                                 rt.adapted.base_model_name)
+
+
+def _log(run: RunDir, row: dict[str, Any]) -> None:
+    with run.metrics.open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
 
 
 def run_flower_simulation(config: FlowerConfig, num_clients: int) -> RunDir:

@@ -4,7 +4,9 @@ FedAMoLE (paper 002, section 4.4, equations (17)-(21) and (28); Appendix C.2-C.3
 1.4-1.6). Per AMoLE module, every round:
 
 * client side, after local training: ``c_i = mean_t P h_t`` (17) and ``e_{j,i} = mean_t A_j h_t``
-  (19) over the client's embedding set, optional DP noise (both in :mod:`training.rsea_embed`);
+  (19) over the client's embedding set, optional noise on the uploads (both in
+  :mod:`training.rsea_embed`): the reference code's Gamma-magnitude noise (``dp_noise``) or the
+  Gaussian mechanism (``embed_noise``) of the DP work section C.2 points to;
 * server side: ``e_j = mean_{i holding j} e_{j,i}`` (18), relevance
   ``s_{j,i} = e_j . c_i / sqrt(r)`` (20), selection probabilities ``softmax_i s_{j,i}`` (28), then
   the MILP of Appendix C.3
@@ -23,13 +25,14 @@ from typing import Literal, TypeVar
 import numpy as np
 import torch
 
-from training.rsea_embed import EmbeddingAccumulator, add_dp_noise
+from training.rsea_embed import EmbeddingAccumulator, add_dp_noise, add_gaussian_noise
 from training.rsea_milp import Solver, client_bounds, solve_assignment
 
 __all__ = [
     "AMoLEConfig",
     "EmbeddingAccumulator",
     "add_dp_noise",
+    "add_gaussian_noise",
     "aggregate_experts",
     "aggregate_token_proj",
     "assign_experts",
@@ -62,8 +65,13 @@ class AMoLEConfig:
             "random" (FedAMoLE-R: random every round).
         homogeneous: every client holds N_e k_c / N_c experts (``homo_arch``).
         solver: MILP solver, "highs" (scipy) or "scip" (optional pyscipopt).
-        dp_noise: add Gamma-Laplace noise to uploaded embeddings.
-        dp_eta: rate of the noise's Gamma magnitude.
+        dp_noise: the reference code's ``--apply_dp``: Gamma-magnitude noise on every uploaded
+            embedding, rescaled under the largest clean norm (METHODS.md 1.4).
+        dp_eta: rate of the noise's Gamma magnitude (larger: less noise).
+        embed_noise: standard deviation of Gaussian noise added to every coordinate of every
+            uploaded client and expert embedding (the Gaussian mechanism of Wei et al. 2020, which
+            paper 002 C.2 cites); 0 is off. Training is unchanged; only the relevance scores, and
+            so the next round's assignment, see the noise.
     """
 
     num_experts: int = 30
@@ -78,8 +86,15 @@ class AMoLEConfig:
     solver: Solver = "highs"
     dp_noise: bool = False
     dp_eta: float = 100.0
+    embed_noise: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("shared_expert", "homogeneous", "dp_noise"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("num_experts", "expert_choices", "top_k", "min_experts", "max_experts"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.num_experts < 1 or self.expert_choices < 1 or self.top_k < 1:
             raise ValueError("num_experts, expert_choices and top_k must be >= 1")
         if not 1 <= self.min_experts <= self.max_experts:
@@ -95,13 +110,30 @@ class AMoLEConfig:
             raise ValueError(f"solver must be highs or scip, got {self.solver!r}")
         if self.dp_eta <= 0:
             raise ValueError(f"dp_eta must be > 0, got {self.dp_eta}")
+        if not self.embed_noise >= 0:
+            raise ValueError(f"embed_noise (a standard deviation) must be >= 0, got {self.embed_noise}")
+        if self.embed_noise > 0 and self.dp_noise:
+            raise ValueError("choose one embedding noise: dp_noise (reference) or embed_noise (Gaussian), not both")
 
     def check_clients(self, num_clients: int) -> None:
-        """Raise ValueError (naming the numbers) if no assignment exists for ``num_clients``."""
-        client_bounds(
-            self.num_experts, num_clients, self.expert_choices, self.min_experts,
-            self.max_experts, self.homogeneous,
-        )
+        """Raise ValueError if no assignment exists for ``num_clients``, naming the numbers and what fits."""
+        try:
+            client_bounds(
+                self.num_experts, num_clients, self.expert_choices, self.min_experts,
+                self.max_experts, self.homogeneous,
+            )
+        except ValueError as exc:
+            lo = -(-num_clients * self.min_experts // self.expert_choices)  # ceil: all reach min_experts
+            hi = num_clients * self.max_experts // self.expert_choices  # none above max_experts
+            hint = (f"num_experts between {lo} and {hi} (e.g. --option num_experts={hi})" if lo <= hi
+                    else "other expert_choices / min_experts / max_experts")
+            if self.homogeneous:
+                hint = f"num_experts * expert_choices divisible by {num_clients} (homogeneous)"
+            raise ValueError(
+                f"FedAMoLE with {num_clients} clients: {exc}. The paper's defaults are for 10 clients; "
+                f"with expert_choices={self.expert_choices}, min_experts={self.min_experts} and "
+                f"max_experts={self.max_experts} use {hint}"
+            ) from exc
 
 
 def mean_over_holders(per_client: Mapping[C, Mapping[K, torch.Tensor]]) -> dict[K, torch.Tensor]:

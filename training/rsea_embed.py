@@ -3,8 +3,10 @@
 FedAMoLE (paper 002, section 4.4, equations (17) and (19); Appendix C.2; METHODS.md 1.4). After
 local training each client runs its embedding set through the model in inference mode and, per AMoLE
 module, uploads ``c_i = mean_t P h_t`` (17) and ``e_{j,i} = mean_t A_j h_t`` (19) for every expert
-it held. The reference's optional DP adds Gamma-magnitude noise and rescales each vector back under
-the largest clean norm seen.
+it held. Paper 002 (Appendix C.2) leaves protecting these means to "mature methods such as
+differential privacy (Wei et al. 2020)" without a formula; two options are offered: the reference
+code's ``--apply_dp`` (Gamma-magnitude noise, rescaled back under the largest clean norm seen,
+:func:`add_dp_noise`) and the plain Gaussian mechanism of Wei et al. (:func:`add_gaussian_noise`).
 """
 
 from __future__ import annotations
@@ -112,3 +114,23 @@ def add_dp_noise(
     norm = noisy.norm(dim=-1, keepdim=noisy.dim() == 2)
     factor = torch.clamp(bound / norm.clamp_min(1e-30), max=1.0)
     return (noisy * factor).to(emb.dtype)
+
+
+def add_gaussian_noise(emb: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """Gaussian mechanism on an uploaded mean embedding: ``emb + N(0, sigma^2 I)``.
+
+    Args:
+        emb: (r,) or (E, r) clean embedding(s).
+        sigma: the noise standard deviation per coordinate (>= 0; 0 returns ``emb`` unchanged).
+        generator: a CPU generator seeded by the caller (never the global RNG, so training draws stay
+            exactly those of a run without noise).
+
+    Returns:
+        The noised embedding, same shape and dtype.
+    """
+    if sigma < 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    if sigma == 0:
+        return emb
+    noise = torch.randn(tuple(emb.shape), generator=generator, dtype=torch.float64) * sigma
+    return (emb.double() + noise.to(emb.device)).to(emb.dtype)

@@ -1,21 +1,26 @@
-"""FedAMoLE end to end on the tiny model: assignments, what travels, aggregation over holders, export."""
+"""FedAMoLE end to end on the tiny model: assignments, what travels, aggregation over holders, export,
+embedding noise, and the paper's ablations as reached from ``fedmosaic train --option``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from adapters import inject
 from adapters.amole_io import load_amole
+from adapters.amole_layer import SHARED
 from adapters.rundir import RunDir
+from fedmosaic.cli import main
 from fedmosaic.tiny import tiny_llama
-from training.algorithms.fedamole import EMB, FedAMoLEStrategy
+from training.algorithms.fedamole import EMB, FedAMoLEClient, FedAMoLEStrategy, _cfg
 from training.data import generate_suite
-from training.protocol import FitRes
-from training.rsea import AMoLEConfig
-from training.runtime import preset
+from training.protocol import ClientContext, FitRes, derive_seed
+from training.rsea import AMoLEConfig, assign_experts
+from training.runtime import Runtime, preset
 from training.simulation import SimConfig, run_federated
 
 DATA = generate_suite(n_train=6, n_test=2, families=["sorting", "capitals", "arithmetic", "sentiment"])
@@ -56,3 +61,113 @@ def test_aggregation_averages_each_expert_only_over_its_holders() -> None:
     assert float(new["m.token_proj"]) == 3.0  # projections over all clients
     assert not any(k.startswith(EMB) for k in new)  # embeddings inform the assignment, never the model
     assert strategy.scores is not None and len(strategy.scores["m"]) == 3
+
+
+def _pair(order: list[str]) -> tuple[FedAMoLEStrategy, dict]:
+    """A strategy that aggregated round 0 from uploads arriving in ``order``, and its round-1 instructions."""
+    strategy = FedAMoLEStrategy(AMoLEConfig(num_experts=3, max_experts=2, min_experts=1, expert_choices=1))
+    state = {f"m.expert_{j}.lora_A": torch.zeros(1) for j in range(3)} | {"m.token_proj": torch.zeros(1)}
+    strategy.configure_round(0, ["a", "b"], state)
+    emb = {"a": {f"{EMB}m.client": torch.tensor([1.0, 0.0]), f"{EMB}m.expert_0": torch.tensor([5.0, 0.0]),
+                 f"{EMB}m.expert_2": torch.tensor([4.0, 0.0])},
+           "b": {f"{EMB}m.client": torch.tensor([0.0, 1.0]), f"{EMB}m.expert_1": torch.tensor([0.0, 5.0]),
+                 f"{EMB}m.expert_2": torch.tensor([0.0, 2.0])}}
+    strategy.aggregate(0, [FitRes(c, emb[c], 1) for c in order], [], state)
+    return strategy, strategy.configure_round(1, ["a", "b"], state)
+
+
+def test_relevance_follows_clients_not_upload_order() -> None:
+    # A Flower server receives replies as nodes finish; the scores' columns must still match the clients.
+    for order in (["a", "b"], ["b", "a"]):
+        _, ins = _pair(order)
+        assert ins["a"].config["assignment"] == {"m": [0, 2]} and ins["b"].config["assignment"] == {"m": [1]}
+    restored = FedAMoLEStrategy(AMoLEConfig(num_experts=3, max_experts=2, min_experts=1, expert_choices=1))
+    restored.load_state_dict(json.loads(json.dumps(_pair(["b", "a"])[0].state_dict())))
+    assert restored.score_clients == ["b", "a"]
+
+
+def _fit(options: dict, ins, data, rt: Runtime) -> FitRes:  # noqa: ANN001
+    # Every fit starts from ``ins`` (loaded into the shared runtime), as in the simulator.
+    return FedAMoLEClient(_cfg({**OPTS, **options}), 0).fit(ins, ClientContext(data.client_id, data, rt, {}, 0))
+
+
+def test_embedding_noise_moves_only_the_uploaded_embeddings(tiny) -> None:  # noqa: ANN001
+    rt = Runtime(tiny, preset("tiny"))
+    strategy = FedAMoLEStrategy(_cfg(OPTS))
+    ins = strategy.configure_round(0, DATA.client_ids, strategy.initial_state(rt))["sorting"]
+    data = DATA.client("sorting")
+    clean = _fit({}, ins, data, rt)
+    sigma = 0.5
+    noisy = _fit({"embed_noise": sigma}, ins, data, rt)
+    again = _fit({"embed_noise": sigma}, ins, data, rt)
+    assert set(clean.state) == set(noisy.state) and clean.metrics == noisy.metrics
+    weights = [k for k in clean.state if not k.startswith(EMB)]
+    assert weights and all(torch.equal(clean.state[k], noisy.state[k]) for k in weights)  # training untouched
+    embs = [k for k in clean.state if k.startswith(EMB)]
+    diff = torch.cat([(noisy.state[k] - clean.state[k]).double().flatten() for k in embs])  # (n,)
+    n = diff.numel()
+    assert n >= 64 and abs(float(diff.mean())) < 4 * sigma / n**0.5  # zero-mean Gaussian ...
+    assert 0.75 * sigma < float(diff.std()) < 1.25 * sigma  # ... of standard deviation sigma
+    assert all(torch.equal(noisy.state[k], again.state[k]) for k in embs)  # drawn from (seed, round, client)
+    dp = _fit({"dp_noise": True, "dp_eta": 10.0}, ins, data, rt)  # the reference's Gamma-magnitude noise
+    assert all(torch.equal(clean.state[k], dp.state[k]) for k in weights)
+    assert not all(torch.equal(clean.state[k], dp.state[k]) for k in embs)
+
+
+def test_options_are_checked() -> None:
+    assert _cfg({"shared-expert": False, "seed": 3}).shared_expert is False  # CLI spelling accepted
+    with pytest.raises(ValueError, match="shared_exprt"):
+        _cfg({"shared_exprt": False})
+    with pytest.raises(ValueError, match="shared_expert must be true or false"):
+        _cfg({"shared_expert": "no"})
+    with pytest.raises(ValueError, match="embed_noise"):
+        _cfg({"embed_noise": -1.0})
+    with pytest.raises(ValueError, match="not both"):
+        _cfg({"embed_noise": 0.1, "dp_noise": True})
+    # The paper's 30 experts x 2 choices need >= 8 clients at 8 experts each: the error names what fits.
+    with pytest.raises(ValueError, match=r"3 clients.*num_experts between 3 and 12 .*num_experts=12"):
+        FedAMoLEStrategy(_cfg({})).configure_round(0, ["a", "b", "c"], {"m.token_proj": torch.zeros(1)})
+
+
+ABLATIONS = {
+    "rsea": [],
+    "static": ["assignment=static"],  # FedMoLE
+    "random": ["assignment=random"],  # FedAMoLE-R
+    "homogeneous": ["homogeneous=true"],
+    "no_shared": ["shared_expert=false"],  # FedAMoLE-S
+    "embed_noise": ["embed_noise=0.05"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_ablations_from_the_command_line(tmp_path: Path, name: str) -> None:
+    out = tmp_path / name
+    opts = ["num_experts=4", "max_experts=3", *ABLATIONS[name]]
+    argv = ["train", "--method", "fedamole", "--data", "generated", "--model", "tiny", "--preset", "tiny", "--rounds",
+            "2", "--n-train", "6", "--n-test", "2", "--families", ",".join(DATA.client_ids), "--out", str(out)]
+    assert main(argv + [x for o in opts for x in ("--option", o)]) == 0
+    run = RunDir(out)
+    cfg = _cfg(run.read_config()["options"])
+    rounds = [json.loads((run.round_dir(r) / "strategy.json").read_text()) for r in (0, 1)]
+    modules = sorted(rounds[0]["assignment"])
+    clients = DATA.client_ids
+    if cfg.assignment == "static":  # FedMoLE: round 0's random assignment kept
+        expected = rounds[0]["assignment"]
+    elif cfg.assignment == "random":  # FedAMoLE-R: a fresh random draw
+        expected = assign_experts(None, cfg, clients, modules, torch.Generator().manual_seed(derive_seed(0, "rsea", 1)))
+    else:  # RSEA from the relevance scores of round 0's uploads
+        scores = {m: torch.tensor(v, dtype=torch.float64) for m, v in rounds[0]["scores"].items()}
+        expected = assign_experts(scores, cfg, clients, modules)
+    assert rounds[1]["assignment"] == expected
+    if name in ("rsea", "random", "static"):  # with this seed, only FedMoLE keeps round 0's assignment
+        assert (rounds[1]["assignment"] == rounds[0]["assignment"]) is (name == "static")
+    loads = {len(ids) for per in rounds[1]["assignment"].values() for ids in per.values()}
+    assert loads <= ({2} if cfg.homogeneous else {2, 3})  # 4 experts x 2 choices over 4 clients
+    meta = json.loads((run.amole / "amole_config.json").read_text())
+    keys = load_file(str(run.amole / "amole_model.safetensors"))
+    assert meta["shared_expert"] is cfg.shared_expert
+    assert any(SHARED in k for k in keys) is cfg.shared_expert
+    assert cfg.embed_noise == (0.05 if name == "embed_noise" else 0.0)
+    adapted = inject(tiny_llama().model)
+    assert load_amole(adapted, run.amole)[0] == {c: {m: tuple(rounds[1]["assignment"][m][c]) for m in modules}
+                                                 for c in clients}

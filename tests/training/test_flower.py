@@ -1,21 +1,89 @@
-"""FedDPA-T on Flower's simulation runtime (2 virtual SuperNodes, 2 rounds) equals the in-process run."""
+"""The Flower bridge: the wire format (through Flower's own protobuf serde, fast) and FedDPA-T and FedAMoLE
+on Flower's simulation runtime (2 rounds, the tiny model) against the in-process simulator.
+
+The two Ray simulations dominate the time (Ray and actor start-up, about half a minute each on two
+cores), so each keeps to 2 clients, 4 examples per client, the tiny preset and 2 rounds.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from safetensors.torch import load_file
 
+from adapters import inject
+from adapters.amole_io import load_amole
 from adapters.rundir import RunDir
 from fedmosaic.tiny import tiny_llama
+from training.algorithms.fedamole import FedAMoLEStrategy, _cfg, subset
 from training.data import generate_suite
 from training.flower import FlowerConfig, run_flower_simulation
-from training.runtime import preset
+from training.flower_messages import (
+    decode_config,
+    encode_config,
+    fit_content,
+    identity_content,
+    read_fit_content,
+    read_identity,
+    read_reply_content,
+    reply_content,
+)
+from training.protocol import FitIns, FitRes, state_bytes
+from training.runtime import Runtime, preset
 from training.simulation import SimConfig, run_federated
 
 DATA_OPTIONS = {"n_train": 4, "n_test": 2, "families": ["sorting", "capitals"]}
+AMOLE = {"num_experts": 5, "expert_choices": 1, "min_experts": 2, "max_experts": 3}  # 5 experts over 2 clients
+
+
+def _wire(content):  # noqa: ANN001, ANN202
+    """What the other side receives: the content through Flower's protobuf serialisation."""
+    return recorddict_from_proto(recorddict_to_proto(content))
+
+
+def test_config_values_cross_the_wire() -> None:
+    config = {"assignment": {"layers.0.q_proj": [1, 4], "layers.0.v_proj": [0]}, "personalized": True, "lr": 0.5,
+              "steps": 3, "name": "x", "ids": [2, 3], "empty": [], "pair": (1, "a"), "blob": b"\x00\x01"}
+    record = encode_config(config)
+    assert isinstance(record["json.assignment"], str) and record["ids"] == [2, 3]  # nested as JSON, flat as is
+    back = decode_config(_wire(fit_content(FitIns(0, {}, config), "c"))["fitins"])
+    assert back == {**config, "pair": [1, "a"]}
+    assert type(back["personalized"]) is bool and type(back["steps"]) is int
+
+
+def test_config_refuses_what_cannot_travel() -> None:
+    with pytest.raises(TypeError, match="'w'.*FitIns.state"):
+        encode_config({"w": torch.zeros(2)})
+    with pytest.raises(TypeError, match="json."):
+        encode_config({"json.x": 1})
+
+
+def test_fit_and_reply_round_trip() -> None:
+    state = {"a.lora_A": torch.randn(2, 3), "a.lora_B": torch.zeros(3, 2, dtype=torch.float64)}
+    client, ins = read_fit_content(_wire(fit_content(FitIns(7, state, {"k": 1}), "capitals")))
+    assert client == "capitals" and ins.round == 7 and ins.config == {"k": 1}
+    assert all(torch.equal(ins.state[k], state[k]) and ins.state[k].dtype == state[k].dtype for k in state)
+    res = read_reply_content(_wire(reply_content(FitRes("capitals", state, 12, {"loss": 0.25, "steps": 2}))))
+    assert res.client_id == "capitals" and res.num_examples == 12 and res.metrics == {"loss": 0.25, "steps": 2.0}
+    assert all(torch.equal(res.state[k], state[k]) for k in state)
+    assert read_identity(_wire(identity_content(3, "sorting"))) == (3, "sorting")
+
+
+def test_each_fedamole_client_gets_its_own_instructions(tiny) -> None:  # noqa: ANN001
+    strategy = FedAMoLEStrategy(_cfg(AMOLE))
+    state = strategy.initial_state(Runtime(tiny, preset("tiny")))
+    sent = strategy.configure_round(0, ["sorting", "capitals"], state)
+    got = {c: read_fit_content(_wire(fit_content(ins, c))) for c, ins in sent.items()}
+    assert sent["sorting"].config != sent["capitals"].config  # different messages in one round
+    for client, (addressed, ins) in got.items():
+        assert addressed == client and ins.config == sent[client].config
+        assert set(ins.state) == set(subset(state, ins.config["assignment"], True))  # its experts only
+        assert all(torch.equal(ins.state[k], state[k]) for k in ins.state)
 
 
 def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> None:
@@ -35,3 +103,43 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
         assert all(torch.allclose(fa[k], fb[k], atol=1e-6) for k in fa)  # private state kept on the node
         assert (Path(cfg.out) / "flower-clients" / client / "local.safetensors").is_file()  # mirrored to disk
     assert (flower.round_dir(1) / "COMPLETE").is_file()
+
+
+def _rows(run: RunDir) -> dict[tuple[int, str], dict]:
+    rows = [json.loads(x) for x in run.metrics.read_text().splitlines()]
+    return {(x["round"], x["client"]): x for x in rows if "client" in x}
+
+
+def test_fedamole_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> None:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    cfg = FlowerConfig(method="fedamole", data="generated", rounds=2, out=str(tmp_path / "flower"), model="tiny",
+                       preset="tiny", options=AMOLE, data_options=DATA_OPTIONS)
+    # A third SuperNode has no data partition: it fails to identify itself, is logged and left out.
+    flower = run_flower_simulation(cfg, num_clients=3)
+    local = RunDir(tmp_path / "local")
+    run_federated("fedamole", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root,
+                  SimConfig(rounds=2, embed=False), preset("tiny"), AMOLE, data_spec="generated",
+                  data_options=DATA_OPTIONS)
+    assert json.loads((flower.root / "summary.json").read_text())["failures"] == []
+    assert not flower.global_adapter.exists()  # the method's export replaces the PEFT folders
+    server = load_file(str(flower.round_dir(0) / "server.safetensors"))
+    rank = next(v for k, v in server.items() if k.endswith(".token_proj")).shape[0]
+    rows, sim_rows = _rows(flower), _rows(local)
+    for r in (0, 1):
+        fs, ls = (json.loads((run.round_dir(r) / "strategy.json").read_text()) for run in (flower, local))
+        assert fs["assignment"] == ls["assignment"]
+        for m, scores in fs["scores"].items():
+            torch.testing.assert_close(torch.tensor(scores), torch.tensor(ls["scores"][m]))
+        for client in ("sorting", "capitals"):
+            mine = {m: per[client] for m, per in fs["assignment"].items()}
+            down = state_bytes(subset(server, mine, True))
+            # each node trained and uploaded exactly the experts of its own instructions (+ their embeddings)
+            assert rows[(r, client)]["bytes_down"] == down
+            assert rows[(r, client)]["bytes_up"] == down + 4 * rank * sum(1 + len(ids) for ids in mine.values())
+            assert rows[(r, client)]["loss"] == pytest.approx(sim_rows[(r, client)]["loss"], abs=1e-5)
+    a = load_file(str(flower.amole / "amole_model.safetensors"))
+    b = load_file(str(local.amole / "amole_model.safetensors"))
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assignments, top_k = load_amole(inject(tiny_llama().model), flower.amole)
+    assert top_k == 2 and assignments == load_amole(inject(tiny_llama().model), local.amole)[0]
+    assert set(assignments) == {"sorting", "capitals"}

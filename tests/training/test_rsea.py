@@ -1,4 +1,4 @@
-"""RSEA: the MILP against brute force, feasibility errors, embeddings, aggregation, DP noise."""
+"""RSEA: the MILP against brute force, feasibility errors, embeddings, aggregation, embedding noise."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from training.rsea import (
     AMoLEConfig,
     EmbeddingAccumulator,
     add_dp_noise,
+    add_gaussian_noise,
     aggregate_experts,
     aggregate_token_proj,
     assign_experts,
@@ -234,3 +235,24 @@ def test_dp_noise_respects_the_clean_norm_bound() -> None:
     # Gamma(dim, rate eta) magnitude: large eta means little noise.
     small = add_dp_noise(c, 1e6, 1e9, np.random.default_rng(1))
     torch.testing.assert_close(small, c, atol=1e-4, rtol=0)
+
+
+def test_gaussian_noise_has_the_requested_scale() -> None:
+    emb = torch.randn(30, 64, generator=torch.Generator().manual_seed(0))  # (E, r)
+    sigma = 0.3
+    noisy = add_gaussian_noise(emb, sigma, torch.Generator().manual_seed(5))
+    diff = (noisy - emb).double()
+    assert noisy.shape == emb.shape and noisy.dtype == emb.dtype
+    assert abs(float(diff.mean())) < 4 * sigma / diff.numel() ** 0.5
+    assert float(diff.std()) == pytest.approx(sigma, rel=0.05)  # 1920 draws: std within a few percent
+    assert torch.equal(noisy, add_gaussian_noise(emb, sigma, torch.Generator().manual_seed(5)))
+    assert not torch.equal(noisy, add_gaussian_noise(emb, sigma, torch.Generator().manual_seed(6)))
+    assert add_gaussian_noise(emb, 0.0, torch.Generator()) is emb
+    with pytest.raises(ValueError, match="sigma"):
+        add_gaussian_noise(emb, -0.1, torch.Generator())
+    with pytest.raises(ValueError, match="embed_noise"):
+        AMoLEConfig(embed_noise=-1.0)
+    with pytest.raises(ValueError, match="not both"):
+        AMoLEConfig(embed_noise=0.1, dp_noise=True)
+    with pytest.raises(ValueError, match="num_experts must be an integer"):
+        AMoLEConfig(num_experts=2.5)  # type: ignore[arg-type]

@@ -6,7 +6,16 @@ shared expert and the token projections; trains them with AMoLE routing and the 
 data, at most 200 examples) to upload the client embedding and its experts' embeddings (1.4). The
 server averages the token projections and the shared expert over all clients and each domain expert
 over its holders (1.6), scores relevance between server expert embeddings and client embeddings, and
-solves the assignment MILP (1.5) for the next round; round 0 uses random scores.
+solves the assignment MILP (1.5) for the next round; round 0 uses random scores. The embeddings thus
+ride in the training upload (``emb.*`` keys) and the next dispatch is computed from them, as in the
+reference loop, so one message per client per round suffices (each client's differs).
+
+Options (``--option KEY=VALUE``; unknown keys are refused) cover the paper's ablations (section 5.5):
+``assignment=static`` (FedMoLE: random at round 0, then fixed), ``assignment=random`` (FedAMoLE-R),
+``shared_expert=false`` (FedAMoLE-S) and ``homogeneous=true`` (the reference's ``--homo_arch``);
+FedAMoLE-A (a vanilla MoLE router) is not implemented. Uploaded embeddings can be protected
+(Appendix C.2) with ``embed_noise=<sigma>`` (Gaussian) or ``dp_noise=true`` (the reference's
+mechanism, rate ``dp_eta``), drawn from (seed, round, client) so training itself is unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from adapters.amole import load_balance_loss
@@ -23,7 +33,15 @@ from adapters.context import AMoLERouting
 from training.data import collate
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
-from training.rsea import AMoLEConfig, assign_experts, mean_over_holders, relevance_scores, scores_source
+from training.rsea import (
+    AMoLEConfig,
+    add_dp_noise,
+    add_gaussian_noise,
+    assign_experts,
+    mean_over_holders,
+    relevance_scores,
+    scores_source,
+)
 from training.rsea_embed import EmbeddingAccumulator
 from training.runtime import Runtime
 
@@ -85,7 +103,8 @@ class FedAMoLEStrategy(Strategy):
     def __init__(self, cfg: AMoLEConfig, seed: int = 0) -> None:
         self.cfg, self.seed = cfg, seed
         self.assignment: dict[str, dict[str, list[int]]] | None = None
-        self.scores: dict[str, list[list[float]]] | None = None
+        self.scores: dict[str, list[list[float]]] | None = None  # module -> (N_e, N_c) relevance
+        self.score_clients: list[str] | None = None  # the clients of the score columns, in column order
 
     def initial_state(self, runtime: Runtime) -> StateDict:
         ensure_experts(runtime, self.cfg, self.seed)
@@ -96,12 +115,16 @@ class FedAMoLEStrategy(Strategy):
         if source == "keep" and self.assignment is not None:
             return
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "rsea", round_idx))
-        scores = None if source == "random" or self.scores is None else {
-            m: torch.tensor(v) for m, v in self.scores.items()}
+        scores = None
+        if source == "relevance" and self.scores is not None and set(self.score_clients or ()) == set(clients):
+            # Columns follow the upload order (a Flower server receives replies as they come): reorder them.
+            cols = [self.score_clients.index(c) for c in clients]  # type: ignore[union-attr]
+            scores = {m: torch.tensor(v, dtype=torch.float64)[:, cols] for m, v in self.scores.items()}
         self.assignment = assign_experts(scores, self.cfg, clients, modules, gen)
 
     def configure_round(self, round_idx: int, clients: list[str], state: StateDict) -> dict[str, FitIns]:
         modules = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".token_proj")})
+        self.cfg.check_clients(len(clients))  # before any work: the error names the sizes that fit
         if self.assignment is None or scores_source(self.cfg, round_idx) != "keep":
             self._assign(round_idx, clients, modules)
         missing = set(clients) - set(next(iter(self.assignment.values())))  # type: ignore[union-attr]
@@ -139,15 +162,19 @@ class FedAMoLEStrategy(Strategy):
                              for j in range(self.cfg.num_experts)])  # (N_e, r)
             C = torch.stack([r.state[f"{EMB}{m}.client"] for r in results])  # (N_c, r)
             self.scores[m] = relevance_scores(E.double(), C.double()).tolist()
+        self.score_clients = clients
         if self.assignment and set(clients) != set(next(iter(self.assignment.values()))):
             self.scores = None  # a client failed: its column is missing, fall back to random scores
 
     def state_dict(self) -> dict[str, Any]:
-        return {"assignment": self.assignment, "scores": self.scores}
+        return {"assignment": self.assignment, "scores": self.scores, "score_clients": self.score_clients}
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:
         self.assignment = data.get("assignment")
         self.scores = data.get("scores")
+        # Checkpoints without the column order were written by the simulator: columns in assignment order.
+        default = list(next(iter(self.assignment.values()))) if self.assignment else None
+        self.score_clients = data.get("score_clients", default)
 
     def summary(self) -> dict[str, Any]:
         return {"amole": json.loads(json.dumps(self.cfg.__dict__))}
@@ -186,11 +213,12 @@ class FedAMoLEClient(ClientAlgorithm):
             for p in projs:
                 p.requires_grad_(False)
         upload = subset(full_state(rt), assignment, cfg.shared_expert)
-        upload.update(self._embeddings(rt, ctx, assignment))
+        upload.update(self._embeddings(rt, ctx, assignment, ins.round))
         return FitRes(ctx.client_id, upload, len(ctx.data.train), res.metrics())
 
-    def _embeddings(self, rt: Runtime, ctx: ClientContext, assignment: dict[str, list[int]]) -> StateDict:
-        """Client and expert embeddings over the embedding set (eq. 17, 19)."""
+    def _embeddings(self, rt: Runtime, ctx: ClientContext, assignment: dict[str, list[int]],
+                    round_idx: int) -> StateDict:
+        """Client and expert embeddings over the embedding set (eq. 17, 19), noised if configured (C.2)."""
         examples = rt.examples(ctx.data)
         n = min(200, max(1, len(examples) // 20))
         gen = torch.Generator().manual_seed(derive_seed(ctx.seed, "emb", ctx.client_id))
@@ -208,9 +236,20 @@ class FedAMoLEClient(ClientAlgorithm):
                                    top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe)
             with torch.inference_mode(), rt.adapted.context.route_amole(routing):
                 rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
+        noise_seed = derive_seed(ctx.seed, "embed-noise", round_idx, ctx.client_id)
+        gen, rng = torch.Generator().manual_seed(noise_seed), np.random.default_rng(noise_seed)
         out: StateDict = {}
-        for path, acc in accs.items():
-            c, e = acc.result()
+        for path in sorted(accs):
+            acc = accs[path]
+            c, e = acc.result()  # (r,), (E, r)
+            if self.cfg.dp_noise:
+                tok_bound, exp_bound = acc.max_clean_norms
+                c = add_dp_noise(c, self.cfg.dp_eta, tok_bound, rng)
+                e = add_dp_noise(e, self.cfg.dp_eta, exp_bound, rng)
+            elif self.cfg.embed_noise > 0:
+                c = add_gaussian_noise(c, self.cfg.embed_noise, gen)
+                e = add_gaussian_noise(e, self.cfg.embed_noise, gen)
             out[f"{EMB}{path}.client"] = c.float()
             for row, j in enumerate(assignment[path]):
                 out[f"{EMB}{path}.{expert_name(j)}"] = e[row].float()
@@ -218,8 +257,13 @@ class FedAMoLEClient(ClientAlgorithm):
 
 
 def _cfg(o: Mapping[str, Any]) -> AMoLEConfig:
+    """The AMoLE settings from method options (``shared-expert`` and ``shared_expert`` both accepted)."""
     keys = AMoLEConfig.__dataclass_fields__
-    return AMoLEConfig(**{k: v for k, v in o.items() if k in keys})
+    opts = {k.replace("-", "_"): v for k, v in o.items() if k != "seed"}
+    unknown = sorted(set(opts) - set(keys))
+    if unknown:
+        raise ValueError(f"unknown FedAMoLE option(s) {unknown}; options: {sorted(keys)}")
+    return AMoLEConfig(**opts)
 
 
 def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> None:  # noqa: ANN001
