@@ -1,9 +1,19 @@
 """Per-round checkpoints inside a run directory, written so that an interrupted run resumes exactly.
 
 ``rounds/<r>/`` holds the server state (``server.safetensors``, the exact tensors, plus ``global/`` as
-a PEFT folder for evaluation), the strategy's extra state (``strategy.json``), every client's private
-tensors (``clients/<id>/<name>.safetensors``) and, written last, ``COMPLETE``. Only rounds with that
-marker count, so a crash mid-checkpoint never yields a half-written resume point.
+a PEFT folder for evaluation), the strategy's extra state, every client's private tensors
+(``clients/<id>/<name>.safetensors``) and, written last, ``COMPLETE``. Every file is written to a
+temporary name and renamed into place, and only rounds with the marker count, so a crash
+mid-checkpoint never yields a half-written resume point.
+
+A strategy's state (:meth:`training.protocol.Strategy.state_dict`) is JSON data that may hold torch
+tensors at any depth. The tensors go to ``strategy.safetensors`` (exact dtype and bits, no text
+encoding); ``strategy.json`` holds the rest with each tensor replaced by ``{"__tensor__": key}``. The
+key is the tensor's path in the nested structure: the dict keys and list indices from the top, each
+escaped as in a JSON pointer (RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``) and joined by ``/``, e.g.
+``history/3`` or ``learners/0.stack.mixers.0.A_log``. A state without tensors is written exactly as
+before (``json.dumps`` of the dict, no ``strategy.safetensors``). A round also counts as complete only
+if every tensor its ``strategy.json`` refers to is readable from a fully written ``strategy.safetensors``.
 """
 
 from __future__ import annotations
@@ -12,9 +22,12 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from adapters import LoraConfig, write_adapter_folder
@@ -22,21 +35,124 @@ from adapters.rundir import RunDir, check_client_id
 from training.protocol import StateDict
 
 COMPLETE = "COMPLETE"
+STRATEGY_JSON = "strategy.json"
+STRATEGY_TENSORS = "strategy.safetensors"
+TENSOR_REF = "__tensor__"
 
 
-def _save(path: Path, state: StateDict) -> None:
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    """Run ``write(tmp)`` on a temporary file beside ``path``, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     os.close(fd)
-    save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _save(path: Path, state: StateDict) -> None:
+    _atomic(path, lambda tmp: save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp))
+
+
+def _write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def _escape(part: object) -> str:
+    return str(part).replace("~", "~0").replace("/", "~1")
+
+
+def split_tensors(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Separate the tensors of a nested strategy state from its JSON data.
+
+    Args:
+        state: JSON data (dicts, lists, tuples, scalars) with torch tensors at any depth.
+
+    Returns:
+        The same structure with each tensor replaced by ``{"__tensor__": key}``, and the tensors by key
+        (detached CPU copies where needed; tensors sharing storage are cloned so safetensors takes them).
+
+    Raises:
+        ValueError: a dict uses the reserved key ``"__tensor__"``, or two paths escape to the same key.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[tuple[str, int]] = set()
+
+    def walk(node: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(node, torch.Tensor):
+            key = "/".join(path)
+            if key in tensors:
+                raise ValueError(f"two strategy state entries map to the tensor key {key!r}")
+            t = node.detach().cpu().contiguous()
+            storage = (str(t.device), t.untyped_storage().data_ptr())
+            if storage in storages and t.numel():
+                t = t.clone()  # safetensors refuses tensors that share memory (views, tied weights)
+            storages.add(storage)
+            tensors[key] = t
+            return {TENSOR_REF: key}
+        if isinstance(node, dict):
+            if TENSOR_REF in node:
+                raise ValueError(f"strategy state at {'/'.join(path) or '<top>'} uses the reserved key {TENSOR_REF!r}")
+            return {k: walk(v, (*path, _escape(k))) for k, v in node.items()}
+        if isinstance(node, list | tuple):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(node)]
+        return node
+
+    skeleton = walk(state, ())
+    return (skeleton if tensors else state), tensors
+
+
+def _refs(node: Any) -> list[str]:
+    """Every tensor key that a ``strategy.json`` structure refers to."""
+    if isinstance(node, dict):
+        if set(node) == {TENSOR_REF}:
+            return [str(node[TENSOR_REF])]
+        return [k for v in node.values() for k in _refs(v)]
+    if isinstance(node, list):
+        return [k for v in node for k in _refs(v)]
+    return []
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split_tensors`: put each referenced tensor back in place.
+
+    Raises:
+        KeyError: a reference names a tensor that ``tensors`` lacks.
+    """
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {TENSOR_REF}:
+            key = str(skeleton[TENSOR_REF])
+            if key not in tensors:
+                raise KeyError(f"strategy state refers to tensor {key!r}, missing from {STRATEGY_TENSORS}")
+            return tensors[key]
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [join_tensors(v, tensors) for v in skeleton]
+    return skeleton
 
 
 def save_round(
     run: RunDir, round_idx: int, server: StateDict, strategy: dict[str, Any], private: dict[str, dict[str, StateDict]],
     lora: LoraConfig, base_model: str, peft_global: bool = True,
 ) -> Path:
-    """Write round ``round_idx``'s checkpoint and mark it complete."""
+    """Write round ``round_idx``'s checkpoint and mark it complete.
+
+    Args:
+        run: the run directory.
+        round_idx: the round just aggregated.
+        server: the server tensors after aggregation.
+        strategy: ``strategy.state_dict()``: JSON data, tensors allowed at any depth (see the module docstring).
+        private: each client's private tensors by name.
+        lora: the LoRA config of the PEFT folder ``global/``.
+        base_model: the base model name recorded in that folder.
+        peft_global: write ``global/`` (methods with their own export skip it).
+
+    Returns:
+        The round's folder.
+    """
     folder = run.round_dir(round_idx)
     if folder.exists():
         shutil.rmtree(folder)  # an incomplete earlier attempt at this round
@@ -44,27 +160,54 @@ def save_round(
     _save(folder / "server.safetensors", server)
     if server and peft_global:
         write_adapter_folder(folder / "global", lora, server, base_model)
-    (folder / "strategy.json").write_text(json.dumps(strategy))
+    skeleton, tensors = split_tensors(strategy)
+    if tensors:
+        _save(folder / STRATEGY_TENSORS, tensors)
+    _write_text(folder / STRATEGY_JSON, json.dumps(skeleton))
     for client, named in private.items():
         for name, state in named.items():
             _save(folder / "clients" / check_client_id(client) / f"{name}.safetensors", state)
-    (folder / COMPLETE).write_text("ok\n")
+    _write_text(folder / COMPLETE, "ok\n")  # last: the round counts only once everything above is in place
     return folder
+
+
+def _problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete checkpoint, or None when it is."""
+    if not (folder / COMPLETE).is_file():
+        return f"no {COMPLETE} marker"
+    try:
+        refs = _refs(json.loads((folder / STRATEGY_JSON).read_text()))
+    except (OSError, ValueError) as exc:
+        return f"unreadable {STRATEGY_JSON} ({exc})"
+    if not refs:
+        return None
+    try:
+        with safe_open(str(folder / STRATEGY_TENSORS), "pt") as f:
+            missing = sorted(set(refs) - set(f.keys()))
+    except (OSError, SafetensorError) as exc:  # absent, or cut short: safetensors checks the file covers its header
+        return f"unreadable {STRATEGY_TENSORS} ({exc})"
+    return f"{STRATEGY_TENSORS} lacks {missing[:3]}" if missing else None
 
 
 def last_complete(run: RunDir) -> int | None:
     """The last round with a complete checkpoint, or None."""
-    done = [r for r in run.rounds() if (run.round_dir(r) / COMPLETE).is_file()]
-    return max(done) if done else None
+    return next((r for r in reversed(run.rounds()) if _problem(run.round_dir(r)) is None), None)
 
 
 def load_round(run: RunDir, round_idx: int) -> tuple[StateDict, dict[str, Any], dict[str, dict[str, StateDict]]]:
-    """Read back (server state, strategy state, private states by client and name)."""
+    """Read back (server state, strategy state with its tensors in place, private states by client and name).
+
+    Raises:
+        FileNotFoundError: the round has no complete checkpoint (the message says what is missing).
+    """
     folder = run.round_dir(round_idx)
-    if not (folder / COMPLETE).is_file():
-        raise FileNotFoundError(f"round {round_idx} has no complete checkpoint in {folder}")
+    problem = _problem(folder)
+    if problem is not None:
+        raise FileNotFoundError(f"round {round_idx} has no complete checkpoint in {folder}: {problem}")
     server = load_file(str(folder / "server.safetensors"))
-    strategy = json.loads((folder / "strategy.json").read_text())
+    strategy = json.loads((folder / STRATEGY_JSON).read_text())
+    if _refs(strategy):
+        strategy = join_tensors(strategy, load_file(str(folder / STRATEGY_TENSORS)))
     private: dict[str, dict[str, StateDict]] = {}
     clients = folder / "clients"
     if clients.is_dir():

@@ -120,7 +120,8 @@ class Strategy(ABC):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """Server-side state beyond the tensors (for checkpoints); empty for stateless strategies."""
+        """Server-side state for checkpoints: JSON data, torch tensors allowed at any depth (saved to
+        ``strategy.safetensors``); empty for stateless strategies."""
         return {}
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook

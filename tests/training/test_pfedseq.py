@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from adapters import LoraConfig
 from adapters.rundir import RunDir
 from fedmosaic.tiny import tiny_llama
 from training.algorithms import get_method
 from training.algorithms.pfedseq import RECEIVED, PFedSeqClient, PFedSeqConfig, PFedSeqStrategy, checksum
+from training.checkpoint import load_round, save_round
 from training.data import generate_suite
 from training.protocol import ClientContext, FitIns, FitRes
 from training.runtime import Runtime, preset
@@ -242,16 +244,31 @@ def test_warm_up_rounds_send_the_global_then_the_calibrated_adapters() -> None:
     assert all(torch.equal(a, b) for a, b in zip(learner0, strategy.learners.parameters(), strict=True))
 
 
-def test_strategy_state_round_trips_through_json_and_continues_identically() -> None:
+def test_strategy_state_round_trips_through_the_checkpoint_and_continues_identically(tmp_path: Path) -> None:
     cfg = PFedSeqConfig(warmup=1, window=2, server_device="cpu", chunk=8)
     first = PFedSeqStrategy(cfg, seed=3)
     state, _, _ = _play(first, _state(0, 0.1), range(3))
+    run = RunDir(tmp_path)
+    folder = save_round(run, 2, state, first.state_dict(), {}, LoraConfig(), "tiny", peft_global=False)
+    text = (folder / "strategy.json").read_text()
+    assert len(text) < 20_000 and '{"__tensor__": "history/1"}' in text  # tensors live beside it, not in it
+    _, loaded, _ = load_round(run, 2)
+    assert isinstance(loaded["calib"], torch.Tensor) and len(loaded["history"]) == 2
     second = PFedSeqStrategy(cfg, seed=3)
-    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    second.load_state_dict(loaded)
     end_a, sent_a, _ = _play(first, state, range(3, 5))
     end_b, sent_b, _ = _play(second, state, range(3, 5))
     assert all(torch.equal(end_a[k], end_b[k]) for k in end_a)
     assert all(torch.equal(sent_a[r][c][k], sent_b[r][c][k]) for r in (0, 1) for c in CLIENTS for k in end_a)
+
+
+def test_a_state_of_another_version_or_a_longer_window_is_refused() -> None:
+    first = PFedSeqStrategy(PFedSeqConfig(warmup=0, window=3, server_device="cpu"), seed=0)
+    _play(first, _state(0, 0.1), range(3))
+    with pytest.raises(ValueError, match="version 1 checkpoints"):
+        PFedSeqStrategy(PFedSeqConfig(server_device="cpu")).load_state_dict({"version": 1, "roster": CLIENTS})
+    with pytest.raises(ValueError, match="more than the window L = 2"):
+        PFedSeqStrategy(PFedSeqConfig(window=2, server_device="cpu")).load_state_dict(first.state_dict())
 
 
 def test_an_upload_trained_from_another_adapter_than_sent_is_refused() -> None:

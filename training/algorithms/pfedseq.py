@@ -12,8 +12,8 @@ updates into the history (last L rounds); for t <= W every client is sent the gl
 ``global + xi_i`` with ``xi = SeqLearner(last L steps)`` (eqs 3, 6). Clients missing from a round add a
 zero update. Clients echo a checksum of what they received, so a runtime that does not deliver each
 client's own FitIns fails loudly instead of corrupting the learner. The history, the sent
-calibrations, the learners and Adam's moments are the strategy's checkpointed state, so a resumed run
-repeats an uninterrupted one.
+calibrations, the learners and Adam's moments are the strategy's checkpointed state (tensors, which the
+checkpoint writes to ``strategy.safetensors``), so a resumed run repeats an uninterrupted one.
 
 The learners see each layer's window divided by its RMS (:mod:`training.seqlearn.history`); their
 output is the last step of a residual stream that starts at the newest update, so at initialisation
@@ -31,15 +31,12 @@ the first round).
 
 from __future__ import annotations
 
-import base64
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch import nn
 
 from training.aggregate import weighted_average
@@ -98,21 +95,12 @@ class PFedSeqConfig:
 
 
 RECEIVED = "received_checksum"
+VERSION = 2  # of the strategy state: 1 packed the tensors as base64 text
 
 
 def checksum(state: Mapping[str, torch.Tensor]) -> float:
     """Sum of every entry in float64: the client echoes it so the server knows what it trained from."""
     return float(sum(float(v.detach().double().sum()) for v in state.values()))
-
-
-def pack(tensors: Mapping[str, torch.Tensor]) -> str:
-    """Tensors as base64 safetensors text (the checkpoint keeps a strategy's state as JSON)."""
-    return base64.b64encode(st_save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})).decode()
-
-
-def unpack(text: str) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`pack`."""
-    return st_load(base64.b64decode(text))
 
 
 class PFedSeqStrategy(FedAvgStrategy):
@@ -219,39 +207,44 @@ class PFedSeqStrategy(FedAvgStrategy):
         return dict(self._metrics) or None
 
     def state_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"version": 1, "roster": list(self.roster)}
+        """The roster, layout, update history, learners, Adam state and sent calibrations (tensors as they are).
+
+        Like ``nn.Module.state_dict`` the tensors are the live ones: the checkpoint writes them to
+        safetensors (:mod:`training.checkpoint`) before the next round changes them.
+        """
+        data: dict[str, Any] = {"version": VERSION, "roster": list(self.roster)}
         if self.layout is None or self.learners is None or self.optimizer is None:
             return data
-        tensors = {f"history.{j}": s for j, s in enumerate(self.history.steps)}
-        tensors.update({f"learner.{k}": v for k, v in self.learners.state_dict().items()})
         opt = self.optimizer.state_dict()
-        for idx, slot in opt["state"].items():
-            tensors.update({f"adam.{idx}.{name}": v for name, v in slot.items()})
-        if self.calib is not None:
-            tensors["calib"] = self.calib
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in opt["param_groups"]]
-        return {**data, "layout": self.layout.asdict(), "history": len(self.history.steps),
-                "adam_groups": groups, "tensors": pack(tensors)}
+        return {**data, "layout": self.layout.asdict(), "history": list(self.history.steps),
+                "learners": dict(self.learners.state_dict()),
+                "adam": {"state": {str(i): dict(slot) for i, slot in opt["state"].items()}, "param_groups": groups},
+                "calib": self.calib}
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:
-        if int(data.get("version", 0)) != 1:
-            raise ValueError(f"unknown pFedSeq strategy state version {data.get('version')!r}")
+        """Restore :meth:`state_dict` (as :func:`training.checkpoint.load_round` returns it).
+
+        Raises:
+            ValueError: the state is from another version (version 1 kept its tensors as base64 text), or its
+                history does not fit this configuration.
+        """
+        version = data.get("version")
+        if version != VERSION:
+            raise ValueError(f"pFedSeq strategy state version {version!r} is not {VERSION} (version 1 checkpoints, "
+                             "with base64 tensors in strategy.json, cannot be resumed; start the run again)")
         self.roster = list(data["roster"])
         if "layout" not in data:
             return
         self._build(Layout.from_dict(data["layout"]))
         assert self.learners is not None and self.optimizer is not None
-        tensors = unpack(data["tensors"])
-        self.history.steps = [tensors[f"history.{j}"].to(self.device) for j in range(int(data["history"]))]
-        self.learners.load_state_dict({k[len("learner."):]: v for k, v in tensors.items() if k.startswith("learner.")})
-        slots: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in tensors.items():
-            if key.startswith("adam."):
-                _, idx, name = key.split(".", 2)
-                slots.setdefault(int(idx), {})[name] = value
-        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in data["adam_groups"]]
+        self.history.load([t.to(self.device) for t in data["history"]])
+        self.learners.load_state_dict(data["learners"])
+        # clone: Optimizer.load_state_dict keeps tensors already on the right device, and Adam updates them in place
+        slots = {int(i): {k: v.clone() for k, v in slot.items()} for i, slot in data["adam"]["state"].items()}
+        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in data["adam"]["param_groups"]]
         self.optimizer.load_state_dict({"state": slots, "param_groups": groups})
-        self.calib = tensors["calib"].to(self.device) if "calib" in tensors else None
+        self.calib = None if data["calib"] is None else data["calib"].to(self.device)
 
     def summary(self) -> dict[str, Any]:
         return {"aggregation": "num_examples", "learner": self.cfg.learner, "warmup": self.cfg.warmup,

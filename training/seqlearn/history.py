@@ -128,6 +128,19 @@ class UpdateHistory:
             raise ValueError(f"update step shape {tuple(step.shape)} differs from {tuple(self.steps[-1].shape)}")
         self.steps = [*self.steps, step][-self.maxlen:]
 
+    def load(self, steps: Sequence[torch.Tensor]) -> None:
+        """Replace the history with checkpointed ``steps`` (oldest first, each ``[N, D]``).
+
+        Raises:
+            ValueError: more steps than ``maxlen`` (a checkpoint of a longer window), or unequal shapes.
+        """
+        if len(steps) > self.maxlen:
+            raise ValueError(f"checkpoint holds {len(steps)} update steps, more than the window L = {self.maxlen}")
+        shapes = {tuple(s.shape) for s in steps}
+        if len(shapes) > 1 or any(len(s) != 2 for s in shapes):
+            raise ValueError(f"checkpointed update steps must share one [N, D] shape, got {sorted(shapes)}")
+        self.steps = list(steps)
+
     def __len__(self) -> int:
         return len(self.steps)
 
