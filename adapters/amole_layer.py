@@ -18,7 +18,7 @@ from torch import nn
 
 from adapters.amole import amole_forward
 from adapters.config import AdapterError, LoraConfig
-from adapters.context import AMoLERouting
+from adapters.context import AMoLEExperts, AMoLERouting
 
 if TYPE_CHECKING:
     from adapters.inject import AdaptedModel
@@ -86,44 +86,67 @@ def amole_layer_forward(
         layer: the adapted layer (holds experts, shared expert and ``token_proj``).
         x: (B, T, d) or (B, d) layer input.
         result: the frozen layer's output for ``x``.
-        routing: the batch's per-row client assignments.
+        routing: the batch's per-row client assignments (rows of group -1 keep ``result``).
     """
-    if layer.token_proj is None:
-        raise AdapterError(f"{layer.layer_name} has no AMoLE token projection; call add_amole_experts first")
     row_group = routing.row_group.to(x.device)
     if row_group.shape[0] != x.shape[0]:
         if row_group.shape[0] == 0 or x.shape[0] % row_group.shape[0]:
             raise AdapterError(f"AMoLE routing has {row_group.shape[0]} rows, the batch has {x.shape[0]}")
         row_group = row_group.repeat_interleave(x.shape[0] // row_group.shape[0])  # beam search
-    shared = layer.adapters[SHARED] if routing.shared and SHARED in layer.adapters else None
     out = result
     for g in torch.unique(row_group).tolist():
+        if g < 0:
+            continue  # a row outside AMoLE (base model or plain LoRA): nothing to add here
+        source = routing.experts[g] if routing.experts else None
         experts = routing.groups[g].get(layer.layer_name)
         if not experts:
+            if source is not None and layer.layer_name not in routing.groups[g]:
+                continue  # that AMoLE model does not adapt this layer (a server may inject more layers)
             raise AdapterError(f"client group {g} has no expert assignment for {layer.layer_name}")
-        missing = [j for j in experts if expert_name(j) not in layer.adapters]
+        prefix = source.prefix if source is not None else ""
+        P = _token_proj(layer, source)
+        top_k = source.top_k if source is not None and source.top_k is not None else routing.top_k
+        use_shared = source.shared if source is not None and source.shared is not None else routing.shared
+        missing = [j for j in experts if prefix + expert_name(j) not in layer.adapters]
         if missing:
             raise AdapterError(f"{layer.layer_name} has no domain experts {missing}")
-        adapters = [layer.adapters[expert_name(j)] for j in experts]
+        shared = layer.adapters[prefix + SHARED] if use_shared and prefix + SHARED in layer.adapters else None
+        adapters = [layer.adapters[prefix + expert_name(j)] for j in experts]
         A = torch.stack([a.lora_A for a in adapters])  # (E, r, d)
         B = torch.stack([a.lora_B for a in adapters])  # (E, o, r)
+        sh_A, sh_B = (shared.lora_A, shared.lora_B) if shared is not None else (None, None)
+        if A.dtype != x.dtype:  # fp32 adapters in a bf16 model: compute in the model's dtype
+            A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)
+            if sh_A is not None and sh_B is not None:
+                sh_A, sh_B = sh_A.to(x.dtype), sh_B.to(x.dtype)
         rows = (row_group == g).nonzero(as_tuple=True)[0]
         whole = rows.numel() == x.shape[0]
         xg, rg = (x, result) if whole else (x.index_select(0, rows), result.index_select(0, rows))
         if routing.observer is not None:
-            routing.observer(layer.layer_name, g, xg.detach(), layer.token_proj.detach(), A.detach())
+            routing.observer(layer.layer_name, g, xg.detach(), P.detach(), A.detach())
         res = amole_forward(
-            xg, rg,
-            shared.lora_A if shared is not None else None,
-            shared.lora_B if shared is not None else None,
-            A, B, layer.token_proj, adapters[0].scaling, routing.top_k,
+            xg, rg, sh_A, sh_B, A, B, P, adapters[0].scaling, top_k,
             dropout_p=adapters[0].config.dropout, training=layer.training,
             routed_dropout=routing.routed_dropout,  # type: ignore[arg-type]
         )
         if torch.is_grad_enabled():
             routing.stats.append((layer.layer_name, res.gates_full, res.topk_idx))
+        if routing.recorder is not None:
+            routing.recorder.record(layer.layer_name, rows, res.topk_idx, experts)  # (N, k) positions in experts
         out = res.out if whole else out.index_copy(0, rows, res.out.to(out.dtype))
     return out
+
+
+def _token_proj(layer: MultiLoraLinear, source: AMoLEExperts | None) -> torch.Tensor:
+    """The group's token projection: its source's for this layer, else the layer's own."""
+    if source is not None and source.token_proj is not None:
+        P = source.token_proj.get(layer.layer_name)
+        if P is None:
+            raise AdapterError(f"no AMoLE token projection for {layer.layer_name} under {source.prefix!r}")
+        return P
+    if layer.token_proj is None:
+        raise AdapterError(f"{layer.layer_name} has no AMoLE token projection; call add_amole_experts first")
+    return layer.token_proj
 
 
 def amole_parameters(adapted: AdaptedModel, assignment: dict[str, tuple[int, ...]] | None = None) -> list[nn.Parameter]:

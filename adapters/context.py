@@ -42,6 +42,11 @@ class AMoLERouting:
             top-k ids (N, k)) per group, for the load-balance loss; cleared by the caller.
         observer: optional callback ``(layer path, group, h (n, T, d), P (r, d), A (E, r, d))``
             called by every layer with its input, for the RSEA embeddings (paper 002 eq. 17, 19).
+        experts: optional, one per group: where that group's experts live when several AMoLE
+            models share the layers (a server holding two versions of a run). Empty: every group
+            uses the layer's ``expert_<j>``, ``expert_shared`` and ``token_proj``.
+        recorder: optional :class:`ExpertRecorder` receiving every token's top-k expert ids (off by
+            default; the layers skip it when None).
     """
 
     groups: tuple[Mapping[str, tuple[int, ...]], ...]
@@ -51,16 +56,122 @@ class AMoLERouting:
     routed_dropout: str = "per_expert"
     stats: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list, compare=False)
     observer: Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    experts: tuple[AMoLEExperts, ...] = ()
+    recorder: ExpertRecorder | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise AdapterError("AMoLE routing needs at least one client assignment")
         if self.row_group.dim() != 1 or self.row_group.dtype not in (torch.int32, torch.int64):
             raise AdapterError(f"row_group must be a (B,) integer tensor, got {tuple(self.row_group.shape)}")
-        if self.row_group.numel() and (int(self.row_group.min()) < 0 or int(self.row_group.max()) >= len(self.groups)):
-            raise AdapterError(f"row_group values must index the {len(self.groups)} assignment groups")
+        if self.row_group.numel() and (int(self.row_group.min()) < -1 or int(self.row_group.max()) >= len(self.groups)):
+            raise AdapterError(f"row_group values must index the {len(self.groups)} assignment groups "
+                               "(or be -1 for rows without AMoLE)")
         if self.top_k < 1:
             raise AdapterError(f"top_k must be >= 1, got {self.top_k}")
+        if self.experts and len(self.experts) != len(self.groups):
+            raise AdapterError(f"experts must give one source per group: {len(self.experts)} for "
+                               f"{len(self.groups)} groups")
+
+
+@dataclass(frozen=True)
+class AMoLEExperts:
+    """Where one routing group's experts live, when several AMoLE models share the adapted layers.
+
+    A server keeps every loaded version of an AMoLE run in the same layers under its own adapter
+    name prefix, so requests started on an old version finish on it while new ones use the new one.
+
+    Attributes:
+        prefix: adapter names are ``<prefix>expert_<j>`` and ``<prefix>expert_shared``.
+        token_proj: layer path -> that layer's token projection P (r, d); None: ``layer.token_proj``.
+        top_k: experts per token for this group; None: the routing's ``top_k``.
+        shared: add this group's shared expert; None: the routing's ``shared``.
+    """
+
+    prefix: str = ""
+    token_proj: Mapping[str, torch.Tensor] | None = field(default=None, compare=False)
+    top_k: int | None = None
+    shared: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k < 1:
+            raise AdapterError(f"top_k must be >= 1, got {self.top_k}")
+
+
+class ExpertRecorder:
+    """Off-by-default hook: the top-k domain-expert ids every routed token chose, by layer and row.
+
+    Set it on :attr:`AMoLERouting.recorder`; each AMoLE layer then hands it, per client group, the
+    batch rows it routed, their tokens' top-k selections as positions in the group's assignment,
+    and that assignment (position -> expert id ``j`` of ``expert_<j>``). Recording only keeps
+    references; :meth:`counts` tallies every record in a fixed number of tensor operations, however
+    many layers and groups the forward had. Padding positions are recorded like any token (the
+    serving engine prefills without padding).
+    """
+
+    def __init__(self) -> None:
+        # (layer path, rows (n,), choices (n*T, k) positions, expert ids of the positions)
+        self.records: list[tuple[str, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
+
+    def record(self, path: str, rows: torch.Tensor, choices: torch.Tensor, experts: Sequence[int]) -> None:
+        """Keep the selections of batch ``rows`` (n,) in layer ``path``.
+
+        Args:
+            path: the layer's module path.
+            rows: (n,) batch rows of the group.
+            choices: (n*T, k) top-k positions into ``experts``, tokens of a row contiguous.
+            experts: the group's assigned expert ids in that layer.
+        """
+        self.records.append((path, rows, choices, tuple(experts)))
+
+    def choices(self, path: str, row: int) -> torch.Tensor:
+        """Return the (T, k) expert ids row ``row`` chose in layer ``path`` (its latest record)."""
+        for p, rows, chosen, experts in reversed(self.records):
+            hit = (rows == row).nonzero(as_tuple=True)[0]
+            if p == path and hit.numel():
+                per_row = chosen.view(rows.numel(), -1, chosen.shape[-1])[int(hit[0])].cpu()  # (T, k)
+                return torch.tensor(experts, dtype=torch.long)[per_row]
+        raise AdapterError(f"nothing recorded for row {row} in {path}")
+
+    def counts(self, paths: Sequence[str], num_experts: int, rows: int, last_token: bool = False) -> torch.Tensor:
+        """Tally the recorded selections into ``(rows, len(paths), num_experts)`` counts.
+
+        Args:
+            paths: layer paths, in the order of the second axis; recorded layers not listed are an error.
+            num_experts: size of the last axis (expert ids must be below it).
+            rows: batch rows of the first axis.
+            last_token: count only each row's last position (the token a decode step predicts from).
+
+        Returns:
+            A long tensor; every token adds its k selections, so a layer's row sums to k x tokens.
+        """
+        index = {p: i for i, p in enumerate(paths)}
+        if not self.records:
+            return torch.zeros(rows, len(paths), num_experts, dtype=torch.long)
+        unknown = sorted({r[0] for r in self.records} - set(index))
+        if unknown:
+            raise AdapterError(f"recorded layers {unknown[:3]} are not among the {len(paths)} paths asked for")
+        picks, row_parts, row_repeats, sizes, layers, table = [], [], [], [], [], []
+        width = max(len(r[3]) for r in self.records)
+        for path, row_ids, chosen, experts in self.records:
+            n, k = row_ids.numel(), chosen.shape[-1]
+            if last_token:
+                chosen = chosen.view(n, -1, k)[:, -1]  # (n, k)
+            picks.append(chosen.reshape(-1))
+            row_parts.append(row_ids)
+            row_repeats += [chosen.numel() // max(n, 1)] * n
+            sizes.append(chosen.numel())
+            layers.append(index[path])
+            table.append(list(experts) + [0] * (width - len(experts)))
+        pick = torch.cat(picks).cpu()  # (S,) positions, all records
+        row = torch.cat(row_parts).cpu().repeat_interleave(torch.tensor(row_repeats))  # (S,)
+        record = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))  # (S,)
+        expert = torch.tensor(table, dtype=torch.long)[record, pick]  # (S,) expert ids
+        layer = torch.tensor(layers, dtype=torch.long)[record]  # (S,)
+        if int(expert.max()) >= num_experts:
+            raise AdapterError(f"expert id {int(expert.max())} does not fit num_experts={num_experts}")
+        flat = (row * len(paths) + layer) * num_experts + expert
+        return torch.bincount(flat, minlength=rows * len(paths) * num_experts).view(rows, len(paths), num_experts)
 
 
 @dataclass(frozen=True)
@@ -158,9 +269,23 @@ class AdapterContext:
             self._stack.pop()
 
     @contextlib.contextmanager
-    def route_amole(self, routing: AMoLERouting) -> Iterator[AMoLERouting]:
-        """Route every token through its client's assigned experts inside the block (AMoLE)."""
-        self._stack.append(AdapterWeights(names=(), weights=torch.zeros(routing.row_group.shape[0], 0), amole=routing))
+    def route_amole(
+        self,
+        routing: AMoLERouting,
+        names: Sequence[str] = (),
+        weights: torch.Tensor | None = None,
+    ) -> Iterator[AMoLERouting]:
+        """Route every token through its client's assigned experts inside the block (AMoLE).
+
+        Args:
+            routing: the batch's per-row client assignments.
+            names: optional LoRA adapters applied beside AMoLE (rows with group -1 use them, so a
+                served batch mixes AMoLE clients with plain-adapter and base-model rows).
+            weights: ``(B, K)`` weights over ``names``; zero rows for AMoLE rows.
+        """
+        rows = routing.row_group.shape[0]
+        tensor = weights if weights is not None else torch.zeros(rows, len(names))
+        self._stack.append(AdapterWeights(names=tuple(names), weights=tensor, amole=routing))
         try:
             yield routing
         finally:

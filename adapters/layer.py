@@ -170,7 +170,8 @@ class MultiLoraLinear(nn.Module):
             self._check_merged(state, x)
             return result
         if state is not None and state.amole is not None:
-            return amole_layer_forward(self, x, result, state.amole)
+            result = amole_layer_forward(self, x, result, state.amole)
+            # Plain-adapter rows may share the batch (serving); their weights follow below.
         if state is None or not state.names:
             return result
         present = [k for k, n in enumerate(state.names) if n in self.adapters]

@@ -1,0 +1,1 @@
+"""The Gradio demo: a client of the fedmosaic HTTP API only (it imports none of the other packages)."""

@@ -1,7 +1,8 @@
 """The ``fedmosaic`` command: a thin argparse layer over the packages (no logic lives here).
 
 Subcommands: ``models`` (prepare/verify/list base models, write a tiny test model), ``generate``
-(a few greedy tokens with adapters), ``train``, ``eval``, ``serve``, ``data`` and ``quickstart``.
+(a few greedy tokens with adapters), ``train``, ``eval``, ``serve``, ``data``, ``quickstart`` and
+``demo`` (the Gradio app).
 Each subcommand module registers its own arguments; heavy imports happen only when it runs.
 """
 
@@ -22,9 +23,15 @@ PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("training.cli", "add_train_arguments", "run_train"),
     ("fedmosaic.evaluate", "add_eval_arguments", "run_eval"),
     ("serving.cli", "add_serve_arguments", "run_serve"),
+    ("serving.cli", "add_batch_arguments", "run_batch"),
     ("fedmosaic.data_cli", "add_data_arguments", "run_data"),
     ("fedmosaic.quickstart", "add_quickstart_arguments", "run_quickstart"),
+    ("demos.cli", "add_demo_arguments", "run_demo"),
 )
+# Our top-level packages. A plugin is left out, not fatal, when what is missing is one of them as a whole
+# or a module outside them: a partial install such as the serve-only Docker image (no training/, no
+# scipy). A missing submodule of a package that is present is a bug and raises.
+OURS = ("adapters", "routing", "training", "serving", "demos", "fedmosaic")
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -114,12 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name, add_name, run_name in PLUGINS:
         try:
             module = importlib.import_module(module_name)
+            add: Callable[[argparse._SubParsersAction], argparse.ArgumentParser] = getattr(module, add_name)
+            add(sub).set_defaults(func=getattr(module, run_name))
         except ModuleNotFoundError as exc:
-            if exc.name and (exc.name == module_name or module_name.startswith(exc.name)):
+            if exc.name and (exc.name == module_name or module_name.startswith(exc.name) or exc.name in OURS
+                             or exc.name.split(".")[0] not in OURS):
                 continue
             raise
-        add: Callable[[argparse._SubParsersAction], argparse.ArgumentParser] = getattr(module, add_name)
-        add(sub).set_defaults(func=getattr(module, run_name))
     return parser
 
 

@@ -1,27 +1,77 @@
 """``fedmosaic eval RUN_DIR``: batch offline evaluation in the layout of paper 000's Table 1.
 
-Every client's personalized model (global + local mixed per row at ``(1 - a, a)``, or its local or the
-global adapter alone, whichever the run has) generates on the test set of every task; the global model
-and the bare base model do too. Predictions are cached per (checkpoint, model, task) as JSONL written
-batch by batch, so an interrupted evaluation resumes where it stopped. Then ROUGE-1/ROUGE-L/exact
-scores, the Personalization and Test-Time Personalization blocks (Markdown + JSON), and PNG plots.
-Generation goes through the serving package only (:mod:`serving.generation`).
+Every client's personalized model generates on the test set of every task; the global model and the
+bare base model do too. Models are *served targets* of the serving stack (:mod:`fedmosaic.eval_backend`):
+``<client>`` (FedDPA's global + local mix: instance-wise weights by default for FedDPA runs, paper 000
+section 4.3, or the run's fixed inference weight), else ``<client>:local`` or ``global``, whichever the
+run serves. Greedy decoding runs on the continuous-batching engine; beam search (``--num-beams`` > 1)
+on HF ``generate`` (:mod:`serving.generation`). Predictions are cached per (checkpoint, model, task) as
+JSONL, row by row, tagged with how they were generated, so an interrupted evaluation resumes where it
+stopped. Then ROUGE-1/ROUGE-L/exact scores, the Personalization and Test-Time Personalization blocks
+(Markdown + JSON), and PNG plots (scores, score per round, FedDPA weight per task).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from adapters.rundir import RunDir
 from training.evaluation import plots, tables
 from training.evaluation.metrics import METRICS, Scores, score
-from training.evaluation.predictions import PredictionCache
+from training.evaluation.predictions import Prediction, PredictionCache, make_row
 
-GenerateFn = Callable[[Sequence[str], Sequence[str], list[list[float]]], list[str]]
+WEIGHTING = ("auto", "instance", "fixed")
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One example to generate: where its row goes in the cache, which target answers it."""
+
+    checkpoint: str
+    key: str
+    task: str
+    i: int
+    target: str
+    prompt: str
+    reference: str
+    tag: str
+
+
+class EvalBackend(Protocol):
+    """What the evaluator needs from a generation backend."""
+
+    base_name: str
+
+    def models(self) -> list[str]:
+        """Every served target name."""
+        ...
+
+    def describe(self, target: str) -> dict[str, Any]:
+        """How ``target`` is served (``mode``, ``adapters``, ``routed``, decoding ...): the cache tag."""
+        ...
+
+    def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
+        """Answer every item, yielding each as soon as it is done (any order)."""
+        ...
+
+    def add_adapter(self, name: str, folder: Path) -> None:
+        """Serve the PEFT folder ``folder`` as target ``name`` (per-round checkpoints)."""
+        ...
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving ``name``."""
+        ...
+
+
+def tag_of(description: dict[str, Any]) -> str:
+    """The cache tag of a target description (stable JSON)."""
+    return json.dumps(description, sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)
@@ -31,13 +81,17 @@ class EvalOptions:
     Attributes:
         limit: test examples per task (None: all).
         max_new_tokens: generation budget per answer.
-        num_beams: 1 greedy (default); the FedDPA reference used 4.
-        batch_size: prompts per generation batch.
+        num_beams: 1 greedy on the engine (default); more uses HF beam search (the FedDPA reference used 4).
+        batch_size: rows decoded together.
         metric: the table's metric: ``rouge1`` (paper), ``rougeL`` or ``exact``.
         data: data set spec overriding run.json's.
         model: base model overriding run.json's.
         per_round: also score the global adapter of every per-round checkpoint (paper Figure 3).
         dtype: compute dtype (None: the setting's default).
+        feddpa_weights: ``<client>`` weighting: ``auto`` (instance-wise for FedDPA runs with an
+            embedding index, fixed otherwise), ``instance`` or ``fixed`` (the run's inference weight).
+        feddpa_samples: S, local instances compared per example (instance-wise).
+        feddpa_mode: ``random`` S instances (paper) or the S nearest (``knn``, order-independent).
     """
 
     limit: int | None = None
@@ -49,98 +103,125 @@ class EvalOptions:
     model: str | None = None
     per_round: bool = False
     dtype: str | None = None
+    feddpa_weights: str = "auto"
+    feddpa_samples: int = 5
+    feddpa_mode: str = "random"
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.feddpa_weights not in WEIGHTING:
+            raise ValueError(f"feddpa_weights must be one of {WEIGHTING}, got {self.feddpa_weights!r}")
+        if self.feddpa_mode not in ("random", "knn"):
+            raise ValueError(f"feddpa_mode must be 'random' or 'knn', got {self.feddpa_mode!r}")
+        for name in ("max_new_tokens", "num_beams", "batch_size", "feddpa_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def model_specs(
-    run: RunDir, clients: Sequence[str], inference_weight: float
-) -> dict[str, tuple[tuple[str, ...], list[float]]]:
-    """Adapter names and weights of every model key: each client, ``global``, ``base``."""
-    has_global = run.global_adapter.is_dir()
-    specs: dict[str, tuple[tuple[str, ...], list[float]]] = {}
+def served_targets(models: Sequence[str], base_name: str, clients: Sequence[str]) -> dict[str, str]:
+    """The served target of every model key: each client, ``global``, ``base``.
+
+    A client's personalized model is ``<client>`` when served (FedDPA mix, or whatever the resolver
+    serves under that name), else its local adapter, else the global adapter; clients with none are left out.
+    """
+    available = set(models)
+    targets: dict[str, str] = {}
     for c in clients:
-        has_local = run.local_adapter(c).is_dir()
-        if has_global and has_local:
-            specs[c] = (("global", f"local-{c}"), [1.0 - inference_weight, inference_weight])
-        elif has_local:
-            specs[c] = ((f"local-{c}",), [1.0])
-        elif has_global:
-            specs[c] = (("global",), [1.0])
-    if has_global:
-        specs["global"] = (("global",), [1.0])
-    specs["base"] = ((), [])
-    return specs
+        found = next((t for t in (c, f"{c}:local", "global") if t in available), None)
+        if found is not None:
+            targets[c] = found
+    if "global" in available:
+        targets["global"] = "global"
+    targets["base"] = base_name
+    return targets
 
 
-def _default_generate(run: RunDir, cfg: dict, opts: EvalOptions, clients: Sequence[str]) -> GenerateFn:
-    from adapters import inject, load_adapter
-    from fedmosaic.models import load_base_model
-    from serving.generation import GenerationConfig, generate
-
-    loaded = load_base_model(opts.model or cfg.get("model", "smollm2"), dtype=opts.dtype)  # type: ignore[arg-type]
-    adapted = inject(loaded.model)
-    if run.global_adapter.is_dir():
-        load_adapter(adapted, run.global_adapter, "global", check_base=False)
-    for c in clients:
-        if run.local_adapter(c).is_dir():
-            load_adapter(adapted, run.local_adapter(c), f"local-{c}", check_base=False)
-    gen_cfg = GenerationConfig(max_new_tokens=opts.max_new_tokens, num_beams=opts.num_beams, batch_size=opts.batch_size)
-
-    def fn(prompts: Sequence[str], names: Sequence[str], weights: list[list[float]]) -> list[str]:
-        return generate(adapted, loaded.model, loaded.tokenizer, prompts, names, weights or None, gen_cfg,
-                        autocast=loaded.autocast)
-
-    fn.adapted = adapted  # type: ignore[attr-defined] - lets per-round evaluation swap the global adapter
-    return fn
-
-
-def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), generate_fn: GenerateFn | None = None) -> dict:
+def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend: EvalBackend | None = None) -> dict:
     """Evaluate a run directory; writes ``eval/`` and returns the JSON summary.
 
     Args:
         run_dir: a run directory (see :mod:`adapters.rundir`).
         opts: evaluation settings.
-        generate_fn: ``(prompts, adapter names, per-row weights) -> answers``; defaults to the serving
-            package's batched generation over the run's adapters.
+        backend: the generation backend; defaults to the serving stack over the run's adapters
+            (:func:`fedmosaic.eval_backend.open_backend`).
     """
     from training.data import load_dataset, prompt_texts
 
     run = RunDir(Path(run_dir))
     cfg = run.read_config()
     dataset = load_dataset(opts.data or cfg["data"], **cfg.get("data_options", {}))
-    clients = [c for c in dataset.client_ids if c in set(run.clients()) or run.global_adapter.is_dir()]
-    specs = model_specs(run, clients, float(cfg.get("inference_weight", 0.5)))
-    fn = generate_fn or _default_generate(run, cfg, opts, clients)
-    cache = PredictionCache(run.eval_dir / "predictions", limit=opts.limit)
-    grid: dict[str, dict[str, Scores]] = {}
-    from tqdm.auto import tqdm
+    if backend is None:
+        from fedmosaic.eval_backend import open_backend
 
-    # Keys with the same adapters and weights (e.g. every FedIT client = the global model) share one
-    # set of generations: the first such key is generated, the others reuse its predictions.
-    canonical: dict[str, str] = {}
-    for key, spec in specs.items():
-        canonical[key] = next(k for k, v in specs.items() if v == spec)
-    jobs = [(key, task) for key in specs for task in dataset.tasks if canonical[key] == key]
-    for key, task in tqdm(jobs, desc="eval", unit="set"):
-        names, weights = specs[key]
-        records = list(dataset.tests[task])[: opts.limit]
-        prompts = prompt_texts(records)
-        preds = cache.fill("final", key, task, prompts, [r.output for r in records],
-                           lambda ps, n=names, w=weights: fn(ps, n, [w] * len(ps) if n else []),
-                           batch_size=opts.batch_size)
-        grid.setdefault(key, {})[task] = score(preds, [r.output for r in records])
-    for key in specs:
+        backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, max_new_tokens=opts.max_new_tokens,
+                               num_beams=opts.num_beams, batch_size=opts.batch_size, weighting=opts.feddpa_weights,
+                               samples=opts.feddpa_samples, mode=opts.feddpa_mode)
+    targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)
+    clients = [c for c in dataset.client_ids if c in targets]
+    described = {t: backend.describe(t) for t in set(targets.values())}
+    cache = PredictionCache(run.eval_dir / "predictions", limit=opts.limit)
+    tests = {task: list(dataset.tests[task])[: opts.limit] for task in dataset.tasks}
+    prompts = {task: prompt_texts(records) for task, records in tests.items()}
+    # Keys served by the same target (e.g. every FedIT client = the global model) share one set of
+    # generations: the first such key is generated, the others reuse its predictions.
+    canonical = {key: next(k for k, t in targets.items() if t == target) for key, target in targets.items()}
+    jobs = [(key, task) for key in targets for task in dataset.tasks if canonical[key] == key]
+    items = []
+    for key, task in jobs:
+        tag = tag_of(described[targets[key]])
+        for i in cache.missing("final", key, task, prompts[task], tag):
+            items.append(EvalItem("final", key, task, i, targets[key], prompts[task][i], tests[task][i].output, tag))
+    _generate_into(cache, backend, items, "eval")
+    grid: dict[str, dict[str, Scores]] = {}
+    weights: dict[str, dict[str, list[float]]] = {}
+    for key, task in jobs:
+        rows = cache.rows("final", key, task, prompts[task], tag_of(described[targets[key]]))
+        grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows], [r.output for r in tests[task]])
+        info = described[targets[key]]
+        if key in clients and info.get("mode") == "feddpa" and info.get("routed"):
+            weights.setdefault(key, {})[task] = [float(r["weights"][f"{key}:local"]) for r in rows]
+    for key in targets:
         grid[key] = grid[canonical[key]]
     summary = _write_outputs(run, cfg, dataset, clients, grid, opts)
+    summary["targets"] = {key: described[t] for key, t in targets.items()}
+    if weights:
+        summary["feddpa_weights"] = _weight_outputs(run, weights, {c: dataset.task_of(c) for c in clients})
     if opts.per_round:
-        summary["per_round"] = _per_round(run, dataset, opts, fn, cache)
+        summary["per_round"] = _per_round(run, dataset, opts, backend, cache)
     (run.eval_dir / "results.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _generate_into(cache: PredictionCache, backend: EvalBackend, items: Sequence[EvalItem], desc: str) -> None:
+    """Generate every item and append each row to its cache file as soon as it is done."""
+    if not items:
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(items), desc=desc, unit="ex") as bar:
+        for item, pred in backend.generate(items):
+            cache.append(item.checkpoint, item.key, item.task,
+                         [make_row(item.i, item.prompt, item.reference, pred, item.tag)])
+            bar.update(1)
+
+
+def _weight_outputs(run: RunDir, weights: dict[str, dict[str, list[float]]], own: dict[str, str]) -> dict:
+    """Plot the instance-wise local weight per task (own client vs the others) and summarise it."""
+    tasks = sorted({t for per in weights.values() for t in per})
+    own_a = {t: [a for c, per in weights.items() if own.get(c) == t for a in per.get(t, [])] for t in tasks}
+    other_a = {t: [a for c, per in weights.items() if own.get(c) != t for a in per.get(t, [])] for t in tasks}
+    plots.plot_weights(own_a, run.eval_dir / "feddpa_weights.png", others=other_a)
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"mean": statistics.fmean(values), "median": statistics.median(values), "n": len(values)} \
+            if values else {"n": 0}
+
+    return {"per_task_own_client": {t: stats(v) for t, v in own_a.items()},
+            "per_task_other_clients": {t: stats(v) for t, v in other_a.items()},
+            "per_client": {c: {t: statistics.fmean(v) for t, v in per.items() if v} for c, per in weights.items()}}
 
 
 def _write_outputs(run: RunDir, cfg: dict, dataset, clients, grid, opts: EvalOptions) -> dict:  # noqa: ANN001
@@ -160,23 +241,29 @@ def _write_outputs(run: RunDir, cfg: dict, dataset, clients, grid, opts: EvalOpt
     }
 
 
-def _per_round(run: RunDir, dataset, opts: EvalOptions, fn: GenerateFn, cache: PredictionCache) -> dict:  # noqa: ANN001
-    from adapters import load_adapter
+def _per_round(run: RunDir, dataset, opts: EvalOptions, backend: EvalBackend, cache: PredictionCache) -> dict:  # noqa: ANN001
     from training.data import prompt_texts
 
-    adapted = getattr(fn, "adapted", None)
     series: dict[int, float] = {}
     for r in run.rounds():
         folder = run.round_dir(r) / "global"
-        if not folder.is_dir() or adapted is None:
+        if not folder.is_dir():
             continue
-        load_adapter(adapted, folder, "round-global", check_base=False, replace=True)
-        values = []
-        for task in dataset.tasks:
-            records = list(dataset.tests[task])[: opts.limit]
-            preds = cache.fill(f"round-{r}", "global", task, prompt_texts(records), [x.output for x in records],
-                               lambda ps: fn(ps, ("round-global",), [[1.0]] * len(ps)), batch_size=opts.batch_size)
-            values.append(score(preds, [x.output for x in records]).get(opts.metric))
+        name = f"round-{r}"
+        backend.add_adapter(name, folder)
+        try:
+            tag = tag_of(backend.describe(name))
+            tests = {task: list(dataset.tests[task])[: opts.limit] for task in dataset.tasks}
+            prompts = {task: prompt_texts(records) for task, records in tests.items()}
+            items = [EvalItem(name, "global", task, i, name, prompts[task][i], tests[task][i].output, tag)
+                     for task in dataset.tasks for i in cache.missing(name, "global", task, prompts[task], tag)]
+            _generate_into(cache, backend, items, name)
+            values = []
+            for task in dataset.tasks:
+                rows = cache.rows(name, "global", task, prompts[task], tag)
+                values.append(score([x["prediction"] for x in rows], [x.output for x in tests[task]]).get(opts.metric))
+        finally:
+            backend.remove_adapter(name)
         series[r] = sum(values) / len(values)
     if series:
         plots.plot_rounds({"global (mean over tasks)": series}, opts.metric, run.eval_dir / "rounds.png")
@@ -207,12 +294,20 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("run_dirs", nargs="+", help="one run directory, or several with --compare")
     p.add_argument("--limit", type=int, default=None, help="test examples per task")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-beams", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-beams", type=int, default=1,
+                   help="1: greedy on the continuous-batching engine; >1: HF beam search (the FedDPA reference: 4)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     p.add_argument("--metric", choices=METRICS, default="rouge1")
     p.add_argument("--data", default=None, help="data set spec (default: run.json's)")
     p.add_argument("--model", default=None, help="base model (default: run.json's)")
     p.add_argument("--per-round", action="store_true", help="also score each round's global checkpoint")
+    p.add_argument("--feddpa-weights", choices=WEIGHTING, default="auto",
+                   help="<client> weighting: auto = instance-wise for FedDPA runs with embeddings (paper), "
+                        "else the run's fixed inference weight")
+    p.add_argument("--feddpa-samples", type=int, default=5, help="S, local instances per example (instance-wise)")
+    p.add_argument("--feddpa-mode", choices=["random", "knn"], default="random",
+                   help="random S instances (paper) or the S nearest")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--compare", action="store_true", help="only tabulate already-evaluated runs side by side")
     p.add_argument("--out", default=None, help="where --compare writes its Markdown")
     return p
@@ -225,7 +320,8 @@ def run_eval(args: argparse.Namespace) -> int:
         return 0
     opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
                        batch_size=args.batch_size, metric=args.metric, data=args.data, model=args.model,
-                       per_round=args.per_round)
+                       per_round=args.per_round, dtype=args.dtype, feddpa_weights=args.feddpa_weights,
+                       feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode)
     for d in args.run_dirs:
         print(evaluate_run(d, opts)["markdown"])
     return 0

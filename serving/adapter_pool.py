@@ -16,6 +16,11 @@ Placement only (names, versions, capacity); the math lives in :mod:`adapters`. R
 A training run directory (:mod:`adapters.rundir`) registers ``global`` and ``<client>:local`` for each
 client, and records each client's embedding files for FedDPA routing (paper 000 section 4.3) without
 loading them. All state changes happen under the engine's model lock.
+
+A FedAMoLE model (an ``adapters/amole`` folder, or a run directory holding one; paper 002) is one
+entry too, of kind ``amole`` (:mod:`serving.amole_router`): it takes one slot, versions and leases
+like a LoRA adapter, and serves each client of its assignments under the client's own name. A lease
+on a client hands out the route name ``<name>@<version>/<client>``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ from pathlib import Path
 
 from adapters import AdaptedModel, AdapterError, load_adapter
 from adapters.rundir import RunDir
+from serving.amole_router import (
+    AMoLEBundle,
+    AMoLERegistry,
+    amole_folder,
+    client_names,
+    load_bundle,
+    registry_for,
+    unload_bundle,
+)
 from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, NoFreeSlot, PathNotAllowed
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
@@ -43,6 +57,8 @@ class AdapterInfo:
     pinned: bool
     loaded: bool
     leases: int
+    kind: str = "lora"
+    clients: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,7 @@ class RunInfo:
     inference_weight: float | None
     global_name: str | None
     clients: dict[str, ClientFiles] = field(default_factory=dict)
+    amole: str | None = None  # the pool name of the run's AMoLE model (FedAMoLE runs)
 
 
 @dataclass(eq=False)
@@ -75,21 +92,27 @@ class _Entry:
     version: int = 0
     internal: str | None = None  # None while evicted
     last_used: int = 0
+    kind: str = "lora"  # or "amole"
+    clients: tuple[str, ...] = ()  # AMoLE: the clients it serves
 
 
 class Lease:
-    """The internal adapter names a request decodes with; release exactly once when it finishes."""
+    """The internal adapter names a request decodes with; release exactly once when it finishes.
 
-    def __init__(self, pool: AdapterPool, names: tuple[str, ...]) -> None:
+    ``names`` go into the request (AMoLE clients as route names); ``keys`` are the versions held.
+    """
+
+    def __init__(self, pool: AdapterPool, names: tuple[str, ...], keys: tuple[str, ...] | None = None) -> None:
         self.pool = pool
         self.names = names
+        self.keys = names if keys is None else keys
         self._released = False
 
     def release(self, *_: object) -> None:
         """Give the versions back (idempotent; accepts and ignores a done-callback argument)."""
         if not self._released:
             self._released = True
-            self.pool._release(self.names)
+            self.pool._release(self.keys)
 
 
 class AdapterPool:
@@ -101,10 +124,12 @@ class AdapterPool:
         max_loras: adapters loaded at once.
         model_lock: the engine's model lock (every change to the model happens under it).
         check_base: refuse adapters trained on another base model.
+        amole: where AMoLE versions are registered for the engine (default: the model's registry).
     """
 
     def __init__(self, adapted: AdaptedModel, root: Path | None = None, max_loras: int = 8,
-                 model_lock: threading.RLock | None = None, check_base: bool = True) -> None:
+                 model_lock: threading.RLock | None = None, check_base: bool = True,
+                 amole: AMoLERegistry | None = None) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         self.adapted = adapted
@@ -117,6 +142,8 @@ class AdapterPool:
         self._retired: set[str] = set()  # replaced or unloaded versions still leased
         self._versions: dict[str, int] = {}  # never reset, so a name's versions never repeat
         self._tick = 0
+        self.amole = amole if amole is not None else registry_for(adapted)
+        self._amole_clients: dict[str, str] = {}  # AMoLE client name -> its entry's name
 
     # --- paths ---------------------------------------------------------------------------------
 
@@ -139,31 +166,67 @@ class AdapterPool:
     def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
         """Load the PEFT folder ``path`` as ``name`` (a new version when ``replace`` reloads a name).
 
+        ``path`` may also be a FedAMoLE folder or run directory: ``name`` then names the AMoLE model
+        and its clients are served under their own names.
+
         Raises:
-            AdapterExists: ``name`` is registered and ``replace`` is False.
+            AdapterExists: ``name`` (or one of an AMoLE model's clients) is registered and
+                ``replace`` is False.
             PathNotAllowed, AdapterLoadFailed, NoFreeSlot: see the module docstring.
         """
         if not _NAME.match(name) or name.endswith(":"):
             raise AdapterLoadFailed(f"invalid adapter name {name!r}: use letters, digits, '_', '-', '.', ':'")
         folder = self.resolve(path)
+        amole = amole_folder(folder)
+        if amole is None and (folder / "run.json").is_file():
+            raise AdapterLoadFailed(f"{path} is a training run without FedAMoLE experts; serve FedDPA runs with "
+                                    "`fedmosaic serve RUN_DIR`, or load their adapter folders one by one")
+        try:
+            clients = client_names(amole) if amole is not None else ()
+        except AdapterError as exc:
+            raise AdapterLoadFailed(str(exc)) from exc
         with self.lock:
             old = self._entries.get(name)
             if old is not None and not replace:
                 raise AdapterExists(f"adapter {name!r} is already loaded; unload it or ask for a reload")
-            entry = _Entry(name=name, path=folder, pinned=pinned if old is None else (pinned or old.pinned))
+            self._check_names(name, clients)
+            entry = _Entry(name=name, path=amole or folder, pinned=pinned if old is None else (pinned or old.pinned),
+                           kind="amole" if amole is not None else "lora", clients=clients)
             self._activate(entry, exclude=(name,), spare=int(old is not None and old.internal is not None))
             if old is not None:
                 self._retire(old)
+                self._forget_clients(old)
             self._entries[name] = entry
+            for client in clients:
+                self._amole_clients[client] = name
             return self._info(entry)
+
+    def _check_names(self, name: str, clients: tuple[str, ...]) -> None:
+        """Refuse names that would make a ``model`` name ambiguous (a client served twice)."""
+        if name in self._amole_clients:
+            raise AdapterExists(f"{name!r} is a client of the AMoLE model {self._amole_clients[name]!r}")
+        for client in clients:
+            owner = self._amole_clients.get(client, name)
+            if owner != name or (client in self._entries and client != name):
+                raise AdapterExists(f"AMoLE client {client!r} of {name!r} clashes with the served "
+                                    f"{'AMoLE model ' + repr(owner) if owner != name else 'adapter'}")
+
+    def _forget_clients(self, entry: _Entry) -> None:
+        for client in entry.clients:
+            if self._amole_clients.get(client) == entry.name:
+                del self._amole_clients[client]
 
     def unload(self, name: str) -> None:
         """Forget ``name``; its version leaves the model once no request holds it."""
         with self.lock:
+            if name in self._amole_clients:
+                raise AdapterNotFound(f"{name!r} is a client of the AMoLE model {self._amole_clients[name]!r}; "
+                                      "unload that model")
             entry = self._entries.pop(name, None)
             if entry is None:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded")
             self._retire(entry)
+            self._forget_clients(entry)
 
     def load_run(self, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
         """Register a training run's global adapter and every client's local adapter.
@@ -177,11 +240,15 @@ class AdapterPool:
             config = run.read_config()
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
-        global_name = None
+        global_name = amole = None
         if run.global_adapter.is_dir():
             self.load("global", run.global_adapter, pinned=pin_global, replace=True)
             global_name = "global"
         clients: dict[str, ClientFiles] = {}
+        if amole_folder(run.amole) is not None:
+            amole = "amole"
+            info = self.load(amole, run.amole, pinned=True, replace=True)
+            clients.update((c, ClientFiles(c, None, None, None)) for c in info.clients)
         for client in run.clients():
             local = None
             if run.local_adapter(client).is_dir():
@@ -194,15 +261,17 @@ class AdapterPool:
         weight = config.get("inference_weight")
         return RunInfo(root=run.root, method=str(config.get("method", "")), base_model=str(config.get("model", "")),
                        inference_weight=float(weight) if isinstance(weight, int | float) else None,
-                       global_name=global_name, clients=clients)
+                       global_name=global_name, clients=clients, amole=amole)
 
     # --- leases --------------------------------------------------------------------------------
 
     def acquire(self, names: Iterable[str]) -> Lease:
         """Lease the current versions of ``names`` (reloading evicted ones) for one request.
 
+        ``names`` are adapter names or AMoLE client names.
+
         Returns:
-            A lease whose ``names`` are the internal adapter names, in order.
+            A lease whose ``names`` are the internal adapter names (AMoLE clients: route names), in order.
 
         Raises:
             AdapterNotFound: a name is not registered.
@@ -210,21 +279,25 @@ class AdapterPool:
         """
         wanted = tuple(names)
         with self.lock:
-            missing = [n for n in wanted if n not in self._entries]
+            missing = [n for n in wanted if n not in self._amole_clients
+                       and (n not in self._entries or self._entries[n].kind != "lora")]
             if missing:
                 raise AdapterNotFound(f"adapters {missing} are not loaded; loaded: {sorted(self._entries)}")
-            internal = []
-            for name in wanted:
-                entry = self._entries[name]
+            owners = tuple(self._amole_clients.get(n, n) for n in wanted)
+            request_names, keys = [], []
+            for name, owner in zip(wanted, owners, strict=True):
+                entry = self._entries[owner]
                 if entry.internal is None:
-                    self._activate(entry, exclude=wanted)
+                    self._activate(entry, exclude=owners)
                 self._tick += 1
                 entry.last_used = self._tick
                 assert entry.internal is not None
-                internal.append(entry.internal)
-            for key in internal:
+                keys.append(entry.internal)
+                request_names.append(self.amole.route_name(entry.internal, name) if entry.kind == "amole"
+                                     else entry.internal)
+            for key in keys:
                 self._leases[key] = self._leases.get(key, 0) + 1
-            return Lease(self, tuple(internal))
+            return Lease(self, tuple(request_names), tuple(keys))
 
     def _release(self, internal: tuple[str, ...]) -> None:
         with self.lock:
@@ -234,16 +307,35 @@ class AdapterPool:
                     del self._leases[key]
                     if key in self._retired:
                         self._retired.discard(key)
-                        self.adapted.delete_adapter(key)
+                        self._drop(key)
 
     # --- views ---------------------------------------------------------------------------------
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        """True for a registered LoRA adapter name (AMoLE models and clients: :meth:`amole_model_of`)."""
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        return entry is not None and entry.kind == "lora"
 
     def names(self) -> list[str]:
-        """Registered adapter names, in registration order."""
-        return list(self._entries)
+        """Registered LoRA adapter names, in registration order."""
+        return [n for n, e in self._entries.items() if e.kind == "lora"]
+
+    def amole_models(self) -> list[str]:
+        """Registered AMoLE model names, in registration order."""
+        return [n for n, e in self._entries.items() if e.kind == "amole"]
+
+    def amole_clients(self) -> list[str]:
+        """Every AMoLE client served, by model then assignment order."""
+        return [c for e in self._entries.values() if e.kind == "amole" for c in e.clients]
+
+    def amole_model_of(self, client: str) -> str | None:
+        """The AMoLE model serving ``client``, or None."""
+        return self._amole_clients.get(client)
+
+    def amole_bundle(self, name: str) -> AMoLEBundle | None:
+        """The loaded version of AMoLE model ``name`` (None while evicted or unknown)."""
+        entry = self._entries.get(name)
+        return self.amole.get(entry.internal) if entry is not None and entry.internal else None
 
     def info(self, name: str | None = None) -> list[AdapterInfo]:
         """Snapshots of one registered adapter or of all."""
@@ -260,7 +352,8 @@ class AdapterPool:
 
     def _info(self, entry: _Entry) -> AdapterInfo:
         leases = self._leases.get(entry.internal, 0) if entry.internal else 0
-        return AdapterInfo(entry.name, entry.version, entry.path, entry.pinned, entry.internal is not None, leases)
+        return AdapterInfo(entry.name, entry.version, entry.path, entry.pinned, entry.internal is not None, leases,
+                           entry.kind, entry.clients)
 
     def _activate(self, entry: _Entry, exclude: tuple[str, ...], spare: int = 0) -> None:
         """Load ``entry``'s folder into the model under a fresh version, evicting if full.
@@ -272,7 +365,10 @@ class AdapterPool:
         version = self._versions.get(entry.name, 0) + 1
         internal = f"{entry.name.replace('.', '%')}@{version}"  # layer names may not contain dots
         try:
-            load_adapter(self.adapted, entry.path, internal, check_base=self.check_base)
+            if entry.kind == "amole":
+                self.amole.add(load_bundle(self.adapted, entry.path, entry.name, internal, self.check_base))
+            else:
+                load_adapter(self.adapted, entry.path, internal, check_base=self.check_base)
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
         self._versions[entry.name] = version
@@ -290,7 +386,7 @@ class AdapterPool:
                 "or raise --max-loras")
         victim = min(candidates, key=lambda e: e.last_used)
         assert victim.internal is not None
-        self.adapted.delete_adapter(victim.internal)
+        self._drop(victim.internal)
         victim.internal = None
 
     def _retire(self, entry: _Entry) -> None:
@@ -299,5 +395,14 @@ class AdapterPool:
         if self._leases.get(entry.internal, 0) > 0:
             self._retired.add(entry.internal)
         else:
-            self.adapted.delete_adapter(entry.internal)
+            self._drop(entry.internal)
         entry.internal = None
+
+    def _drop(self, internal: str) -> None:
+        """Take one version out of the model (an AMoLE version: all its experts)."""
+        bundle = self.amole.remove(internal)
+        if bundle is not None:
+            unload_bundle(self.adapted, bundle)
+        else:
+            self.adapted.delete_adapter(internal)
+

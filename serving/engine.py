@@ -12,6 +12,13 @@ its last prompt token goes to ``weight_fn``, whose weights serve every decode st
 cache and first token therefore come from the global adapter unless ``exact_prefill`` asks for a
 second prefill with the routed weights.
 
+AMoLE (paper 002 section 4.2): a request naming an AMoLE route (``<model>@<version>/<client>``, what a
+pool lease gives for an AMoLE client; :mod:`serving.amole_router`) is routed per token inside the
+layers over that client's experts. Its rows share decode steps with other clients' AMoLE rows, plain
+adapter rows and base rows (group -1 of the batch's routing). An :class:`~adapters.context.ExpertRecorder`
+counts, per layer, the top-k experts of every position that produced a generated token; the result's
+``route_info["expert_usage"]`` reports them.
+
 Drive it with :meth:`Engine.step` (explicit loop, tests, batch runs) or :meth:`Engine.start` (a
 background thread calling ``step``). Python use needs no HTTP::
 
@@ -32,7 +39,9 @@ from typing import Any
 import torch
 
 from adapters import AdaptedModel
+from adapters.context import AMoLERouting, ExpertRecorder
 from fedmosaic.models import LoadedModel
+from serving.amole_router import AMoLEClientRoute, AMoLERegistry, batch_routing, registry_for, usage_report
 from serving.errors import AdapterNotFound, EngineNotReady, EngineOverloaded, InvalidRequest
 from serving.kv import BatchKV, cache_to_layers
 from serving.request import FinishReason, GenerationRequest, GenerationResult, RequestHandle
@@ -80,6 +89,9 @@ class _Row:
     info: dict[str, Any] = field(default_factory=dict)
     output: list[int] = field(default_factory=list)
     next_token: int = -1
+    amole: AMoLEClientRoute | None = None
+    usage: torch.Tensor | None = None  # (bundle layers, num_experts) top-k selections so far
+    layer_idx: torch.Tensor | None = None  # the bundle's layers among the engine's layer paths
 
 
 class Engine:
@@ -91,6 +103,7 @@ class Engine:
         config: batch and length limits.
         model_lock: lock held for every forward; the adapter pool holds the same lock while it
             changes the model's adapters, so a forward never sees a half-loaded adapter.
+        amole: where AMoLE route names resolve (default: the model's registry, shared with its pool).
     """
 
     def __init__(
@@ -99,6 +112,7 @@ class Engine:
         adapted: AdaptedModel | None = None,
         config: EngineConfig = EngineConfig(),
         model_lock: threading.RLock | None = None,
+        amole: AMoLERegistry | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -106,6 +120,8 @@ class Engine:
         self.adapted = adapted
         self.config = config
         self.model_lock = model_lock if model_lock is not None else threading.RLock()
+        self.amole = amole if amole is not None else (registry_for(adapted) if adapted is not None else None)
+        self._paths = tuple(adapted.layers) if adapted is not None else ()
         # The tokenizer's eos and the generation config's (chat models often list several).
         eos: set[int] = set()
         for value in (getattr(self.tokenizer, "eos_token_id", None),
@@ -141,9 +157,10 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; this server allows {self.config.max_model_len} "
                 "tokens of prompt plus completion", param="messages")
         loaded = set(self.adapted.configs) if self.adapted is not None else set()
-        missing = [n for n in request.adapter_names if n not in loaded]
+        missing = [n for n in request.adapter_names if n not in loaded and self._route(n) is None]
         if missing:
             raise AdapterNotFound(f"adapters {missing} are not loaded in the model")
+        self._amole_route(request)  # validates how an AMoLE route is asked for
         handle = RequestHandle(request)
         with self._cond:
             if len(self._waiting) >= self.config.max_waiting:
@@ -151,6 +168,19 @@ class Engine:
             self._waiting.append((handle, ids))
             self._cond.notify_all()
         return handle
+
+    def _route(self, name: str) -> AMoLEClientRoute | None:
+        return self.amole.route(name) if self.amole is not None and "/" in name else None
+
+    def _amole_route(self, request: GenerationRequest) -> AMoLEClientRoute | None:
+        """The request's AMoLE route, or None; an AMoLE route must be the only adapter, at weight 1."""
+        routes = [r for r in map(self._route, request.adapter_names) if r is not None]
+        if not routes:
+            return None
+        if len(request.adapter_names) != 1 or tuple(request.adapter_weights) != (1.0,) or request.weight_fn:
+            raise InvalidRequest("an AMoLE client routes every token itself: request it alone, at weight 1, "
+                                 "without a weight_fn", param="adapters")
+        return routes[0]
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
@@ -229,9 +259,14 @@ class Engine:
             handle.finish(result)
         return self.has_work()
 
-    def _forward(self, names: tuple[str, ...], weights: torch.Tensor, **kwargs: Any) -> Any:
-        ctx = (self.adapted.context.use(names, weights) if self.adapted is not None and names
-               else contextlib.nullcontext())
+    def _forward(self, names: tuple[str, ...], weights: torch.Tensor, routing: AMoLERouting | None = None,
+                 **kwargs: Any) -> Any:
+        if self.adapted is not None and routing is not None:
+            ctx: Any = self.adapted.context.route_amole(routing, names, weights if names else None)
+        elif self.adapted is not None and names:
+            ctx = self.adapted.context.use(names, weights)
+        else:
+            ctx = contextlib.nullcontext()
         with ctx, self.loaded.autocast():
             return self.model(**kwargs)
 
@@ -273,6 +308,9 @@ class Engine:
         req = handle.request
         input_ids = torch.tensor([ids])  # (1, n)
         weights, info = tuple(req.adapter_weights), {}
+        route = self._amole_route(req)
+        if route is not None:
+            return self._prefill_amole(handle, ids, route)
         if req.weight_fn is not None:
             first = tuple(req.prefill_weights if req.prefill_weights is not None else req.adapter_weights)
             out = self._forward(req.adapter_names, torch.tensor([first]), input_ids=input_ids,
@@ -293,20 +331,45 @@ class Engine:
                    tracker=TextTracker(self.tokenizer, req.sampling.stop), info=dict(info))
         return row, cache_to_layers(out.past_key_values), out.logits[0, -1]
 
+    def _prefill_amole(self, handle: RequestHandle, ids: list[int],
+                       route: AMoLEClientRoute) -> tuple[_Row, Any, torch.Tensor]:
+        """Prefill an AMoLE request; its last position's expert choices count for the first token."""
+        recorder = ExpertRecorder()
+        out = self._forward((), torch.zeros(1, 0), routing=batch_routing([route], recorder),
+                            input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        index = {p: i for i, p in enumerate(self._paths)}
+        layer_idx = torch.tensor([index[p] for p in route.bundle.layers])
+        counts = recorder.counts(self._paths, route.bundle.num_experts, 1, last_token=True)[0]  # (L, E)
+        params = handle.request.sampling
+        row = _Row(handle=handle, prompt_len=len(ids), weights=(1.0,), generator=make_generator(params),
+                   tracker=TextTracker(self.tokenizer, params.stop), info=route.info(),
+                   amole=route, usage=counts[layer_idx], layer_idx=layer_idx)
+        return row, cache_to_layers(out.past_key_values), out.logits[0, -1]
+
     def _decode(self, finished: list[tuple[RequestHandle, GenerationResult]]) -> None:
         names: dict[str, int] = {}
         for row in self._rows:
-            for name in row.handle.request.adapter_names:
-                names.setdefault(name, len(names))
-        weights = torch.zeros(len(self._rows), len(names))  # (B, K) over the union of the rows' adapters
+            if row.amole is None:
+                for name in row.handle.request.adapter_names:
+                    names.setdefault(name, len(names))
+        weights = torch.zeros(len(self._rows), len(names))  # (B, K) over the union of the plain rows' adapters
         for b, row in enumerate(self._rows):
-            for name, w in zip(row.handle.request.adapter_names, row.weights, strict=True):
-                weights[b, names[name]] = w
+            if row.amole is None:
+                for name, w in zip(row.handle.request.adapter_names, row.weights, strict=True):
+                    weights[b, names[name]] = w
+        routes = [row.amole for row in self._rows]
+        recorder = ExpertRecorder() if any(r is not None for r in routes) else None
         input_ids = torch.tensor([[row.next_token] for row in self._rows])  # (B, 1)
-        out = self._forward(tuple(names), weights, input_ids=input_ids, attention_mask=self._kv.step_mask(),
-                            position_ids=self._kv.next_positions(), past_key_values=self._kv.as_hf_cache(),
-                            use_cache=True)
+        out = self._forward(tuple(names), weights, routing=batch_routing(routes, recorder), input_ids=input_ids,
+                            attention_mask=self._kv.step_mask(), position_ids=self._kv.next_positions(),
+                            past_key_values=self._kv.as_hf_cache(), use_cache=True)
         self._kv.after_step(out.past_key_values)
+        if recorder is not None:
+            experts = max(r.bundle.num_experts for r in routes if r is not None)
+            counts = recorder.counts(self._paths, experts, len(self._rows))  # (B, L, E_max)
+            for b, row in enumerate(self._rows):
+                if row.amole is not None and row.usage is not None:
+                    row.usage += counts[b, row.layer_idx, : row.amole.bundle.num_experts]
         logits = out.logits[:, -1]  # (B, V)
         keep: list[int] = []
         for b, row in enumerate(self._rows):
@@ -338,6 +401,8 @@ class Engine:
 
     def _result(self, row: _Row, reason: FinishReason) -> GenerationResult:
         req = row.handle.request
+        if row.amole is not None and row.usage is not None:
+            row.info["expert_usage"] = usage_report(row.amole, row.usage, len(row.output))
         return GenerationResult(
             request_id=req.request_id, text=row.tracker.text[: row.tracker.emitted] if reason == "cancelled"
             else row.tracker.text, token_ids=tuple(row.output), finish_reason=reason,

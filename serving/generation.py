@@ -1,19 +1,32 @@
-"""Simple batched generation over the adapter context (greedy or beam search), no server needed.
+"""Static-batch generation with HF ``generate`` over the adapter context: the beam-search path.
 
-This is the generation path of the batch evaluator and of ``fedmosaic generate`` until the
-continuous-batching engine exists: prompts are left-padded into batches, each row gets its adapter
-weights (``(B, K)`` over named adapters) through the model's :class:`~adapters.AdapterContext`, and
-HF ``generate`` decodes (the layers repeat each row's weights for beams).
+Greedy and sampled decoding go through the continuous-batching engine (:mod:`serving.engine`, via
+:mod:`serving.stack`); the engine does not do beam search, so ``fedmosaic eval --num-beams N`` (N > 1,
+the FedDPA reference used 4) and ``fedmosaic generate`` use this module: prompts are left-padded into
+batches, each row gets its adapter weights (``(B, K)`` over named adapters) through the model's
+:class:`~adapters.AdapterContext`, and HF ``generate`` decodes (the layers repeat each row's weights for
+beams). :func:`generate_target` serves a *target name* exactly as the engine would: routed targets
+(FedDPA instance-wise weights, paper 000 section 4.3) get their per-row weights from the same routing
+hook, run on each prompt's own prefill with the plan's prefill weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from adapters import AdaptedModel
+from serving.errors import InvalidRequest
+from serving.targets import TargetPlan
+
+if TYPE_CHECKING:
+    from serving.stack import ServingStack
+
+# Plan modes whose weights are one (K,) row per request: what HF generate's per-row context can apply.
+ROW_MODES = ("base", "adapter", "feddpa", "mixture")
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,71 @@ def _weights(names: Sequence[str], weights: object, n: int) -> torch.Tensor:
     if w.dim() != 2 or w.shape != (n, len(names)):
         raise ValueError(f"weights must have shape ({n}, {len(names)}), got {tuple(w.shape)}")
     return w
+
+
+@dataclass(frozen=True)
+class TargetCompletion:
+    """One completion of :func:`generate_target` and the weights it was decoded with."""
+
+    text: str
+    weights: dict[str, float] = field(default_factory=dict)
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+def plan_weights(stack: ServingStack, plan: TargetPlan, internal: Sequence[str], prompts: Sequence[str]
+                 ) -> list[tuple[tuple[float, ...], Mapping[str, Any]]]:
+    """Per-prompt ``(weights (K,), info)`` of ``plan``: its fixed weights, or its routing hook's.
+
+    A routed plan is run as the engine runs it: each prompt is prefilled alone with the plan's
+    ``prefill_weights`` and the final-layer state of its last token goes to ``weight_fn``.
+
+    Args:
+        stack: the serving stack whose model runs the prefills.
+        plan: a resolved target.
+        internal: the leased (internal) adapter names of ``plan.names``.
+        prompts: templated prompts.
+    """
+    if plan.weight_fn is None:
+        return [(tuple(plan.weights), dict(plan.info or {})) for _ in prompts]
+    loaded = stack.loaded
+    first = torch.tensor([plan.prefill_weights if plan.prefill_weights is not None else plan.weights])  # (1, K)
+    rows: list[tuple[tuple[float, ...], Mapping[str, Any]]] = []
+    with torch.inference_mode(), stack.engine.model_lock:
+        for prompt in prompts:
+            ids = loaded.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+            with stack.adapted.context.use(tuple(internal), first), loaded.autocast():
+                out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)  # type: ignore[operator]
+            weights, info = plan.weight_fn(out.hidden_states[-1][0, -1].float())  # state (H,)
+            rows.append((tuple(float(w) for w in weights), dict(info)))
+    return rows
+
+
+def generate_target(stack: ServingStack, target: str, prompts: Sequence[str],
+                    config: GenerationConfig = GenerationConfig()) -> list[TargetCompletion]:
+    """Generate for every prompt with the served ``target`` (beam search when ``config.num_beams > 1``).
+
+    Raises:
+        ModelNotFound: ``target`` is not served by ``stack``.
+        InvalidRequest: the target is not served with one weight row per request (e.g. token routing),
+            which HF generate cannot apply; use the engine (``num_beams=1``).
+    """
+    plan = stack.plan(target)
+    if plan.mode not in ROW_MODES:
+        raise InvalidRequest(f"target {target!r} is served in mode {plan.mode!r}; beam search supports "
+                             f"{ROW_MODES} only: decode it with the engine (num_beams=1)", param="model")
+    lease = stack.lease(plan)
+    internal = lease.names if lease is not None else ()
+    try:
+        rows = plan_weights(stack, plan, internal, prompts)
+        weights = [list(w) for w, _ in rows] if internal else None
+        with stack.engine.model_lock:
+            texts = generate(stack.adapted, stack.loaded.model, stack.loaded.tokenizer, prompts, internal, weights,
+                             config, autocast=stack.loaded.autocast)
+    finally:
+        if lease is not None:
+            lease.release()
+    return [TargetCompletion(text, dict(zip(plan.names, w, strict=True)), info)
+            for text, (w, info) in zip(texts, rows, strict=True)]
 
 
 class _null:

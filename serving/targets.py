@@ -9,7 +9,12 @@ Names a request can use (the OpenAI ``model`` field):
   instance-wise: the engine prefills with the global adapter alone, hands the router the final-layer
   last-token state, and decodes with the router's weights. Without one, ``a`` is the run's
   ``inference_weight`` (:class:`FixedWeightRouter`);
-* an explicit mixture ``[(name, weight), ...]`` (the HTTP ``adapters`` extension field) overrides all.
+* ``<client>`` of a FedAMoLE run (paper 002 section 4.2): every token routed over that client's
+  experts inside the layers (:mod:`serving.amole_router`); the plan names the client once at weight 1
+  and the pool's lease turns it into the route the engine reads. An AMoLE run has no global adapter,
+  so ``global`` exists only where a run or the operator loaded one;
+* an explicit mixture ``[(name, weight), ...]`` (the HTTP ``adapters`` extension field) overrides all;
+  it mixes plain adapters only (AMoLE clients weight their experts per token themselves).
 
 The router protocol is the seam to ``routing/`` (another package): any callable
 ``(client, hidden_state) -> (weights by adapter name, info)`` plugs in.
@@ -66,12 +71,17 @@ class FixedWeightRouter:
 class TargetPlan:
     """How to serve one request.
 
+    Serve it by leasing ``names`` from the pool and submitting the lease's names with ``weights``,
+    ``prefill_weights`` and ``weight_fn``; that holds for every mode, AMoLE included.
+
     Attributes:
-        mode: ``base``, ``adapter``, ``feddpa`` or ``mixture``.
-        names: adapter pool names (K).
+        mode: ``base``, ``adapter``, ``feddpa``, ``amole`` or ``mixture``.
+        names: adapter pool names (K); for ``amole`` the client's name (K = 1).
         weights: (K,) decode weights (for ``feddpa`` with a state router: replaced by ``weight_fn``).
         prefill_weights: (K,) prefill weights when ``weight_fn`` is set.
         weight_fn: the routing hook given to the engine, or None.
+        info: routing facts for the response (the engine's, when it routes, replace them).
+        client: the personalised client served (``feddpa`` and ``amole``), else None.
     """
 
     mode: str
@@ -80,6 +90,7 @@ class TargetPlan:
     prefill_weights: tuple[float, ...] | None = None
     weight_fn: WeightFn | None = None
     info: Mapping[str, Any] | None = None
+    client: str | None = None
 
 
 class TargetResolver:
@@ -99,15 +110,29 @@ class TargetResolver:
         self.router: WeightRouter = router if router is not None else FixedWeightRouter(default_alpha)
 
     def clients(self) -> list[str]:
-        """Clients with a local adapter loaded next to ``global``."""
-        if self.pool is None or GLOBAL not in self.pool:
+        """Personalised clients: FedDPA ones (a local adapter next to ``global``), then AMoLE ones."""
+        if self.pool is None:
             return []
-        return [n[: -len(LOCAL_SUFFIX)] for n in self.pool.names() if n.endswith(LOCAL_SUFFIX)]
+        feddpa = ([n[: -len(LOCAL_SUFFIX)] for n in self.pool.names() if n.endswith(LOCAL_SUFFIX)]
+                  if GLOBAL in self.pool else [])
+        return [*feddpa, *(c for c in self.pool.amole_clients() if c not in feddpa)]
 
     def models(self) -> list[str]:
-        """Every name ``resolve`` accepts: base, loaded adapters, FedDPA clients."""
+        """Every name ``resolve`` accepts: base, loaded adapters, FedDPA and AMoLE clients."""
         adapters = self.pool.names() if self.pool is not None else []
         return [self.base_name, *adapters, *(c for c in self.clients() if c not in adapters)]
+
+    def describe(self, model: str) -> dict[str, Any]:
+        """What ``model`` is, for ``/v1/models`` cards (``kind`` and the parts it uses)."""
+        if model == self.base_name:
+            return {"kind": "base"}
+        if self.pool is not None and model in self.pool:
+            return {"kind": "adapter"}
+        owner = self.pool.amole_model_of(model) if self.pool is not None else None
+        if owner is not None:
+            info = self.pool.info(owner)[0]  # type: ignore[union-attr]
+            return {"kind": "amole", "model": owner, "version": info.version, "loaded": info.loaded}
+        return {"kind": "feddpa", "adapters": [GLOBAL, f"{model}{LOCAL_SUFFIX}"]}
 
     def resolve(self, model: str, mixture: Sequence[tuple[str, float]] | None = None) -> TargetPlan:
         """Return the plan for ``model`` (or the explicit ``mixture``).
@@ -123,6 +148,10 @@ class TargetResolver:
             names = tuple(n for n, _ in mixture)
             if len(set(names)) != len(names):
                 raise InvalidRequest("adapters in the mixture must be unique", param="adapters")
+            routed = [n for n in names if self.pool is not None and self.pool.amole_model_of(n) is not None]
+            if routed:
+                raise InvalidRequest(f"{routed} are AMoLE clients, routed per token; a weighted mixture takes "
+                                     "plain adapters only", param="adapters")
             missing = [n for n in names if self.pool is None or n not in self.pool]
             if missing:
                 raise ModelNotFound(f"adapters {missing} are not loaded")
@@ -131,6 +160,9 @@ class TargetResolver:
             return TargetPlan("base", (), ())
         if self.pool is not None and model in self.pool:
             return TargetPlan("adapter", (model,), (1.0,))
+        owner = self.pool.amole_model_of(model) if self.pool is not None else None
+        if owner is not None:
+            return TargetPlan("amole", (model,), (1.0,), info={"client": model, "model": owner}, client=model)
         return self._feddpa(model)
 
     def _feddpa(self, client: str) -> TargetPlan:
@@ -138,10 +170,11 @@ class TargetResolver:
         router = self.router
         if not router.uses_state:
             weights, info = router(client, None)
-            return TargetPlan("feddpa", names, tuple(float(weights.get(n, 0.0)) for n in names), info=dict(info))
+            return TargetPlan("feddpa", names, tuple(float(weights.get(n, 0.0)) for n in names), info=dict(info),
+                              client=client)
 
         def route(state: torch.Tensor) -> tuple[tuple[float, ...], Mapping[str, Any]]:
             weights, info = router(client, state)
             return tuple(float(weights.get(n, 0.0)) for n in names), info
 
-        return TargetPlan("feddpa", names, (1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route)
+        return TargetPlan("feddpa", names, (1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route, client=client)

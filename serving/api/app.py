@@ -9,62 +9,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 
-from adapters import inject
-from fedmosaic.models import load_base_model
-from serving.adapter_pool import AdapterPool
 from serving.api import errors
 from serving.api.dependencies import ServerState
-from serving.api.routes import adapters, chat, completions, health, models
-from serving.engine import Engine, EngineConfig
+from serving.api.routes import adapters, chat, completions, health, models, run_files
+from serving.engine import EngineConfig
 from serving.settings import ServeSettings
-from serving.targets import TargetResolver, WeightRouter
+from serving.stack import StackConfig, build_stack
+from serving.targets import WeightRouter
 
 logger = logging.getLogger(__name__)
 
 
-def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
-    """Load the base model, inject adapters, fill the pool and start the engine (blocking)."""
-    s = state.settings
-    loaded = load_base_model(s.model, dtype=s.dtype)  # type: ignore[arg-type]
-    adapted = inject(loaded.model, s.target_modules)
-    engine = Engine(loaded, adapted, EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
-                                                  max_waiting=s.max_waiting))
-    specs = [spec.partition("=") for spec in s.adapters]
-    root = s.adapter_root or s.run_dir
-    if root is None and specs:
-        root = Path(os.path.commonpath([str(Path(p).resolve()) for _, _, p in specs]))
-    pool = AdapterPool(adapted, root=root, max_loras=s.max_loras, model_lock=engine.model_lock,
-                       check_base=s.check_base)
-    run = pool.load_run(s.run_dir) if s.run_dir is not None else None
-    for name, _, path in specs:
-        pool.load(name, path)
-    alpha = run.inference_weight if run is not None and run.inference_weight is not None else s.default_alpha
-    if router is None and run is not None and s.feddpa_routing == "instance" and _has_embeddings(s.run_dir):
-        from serving.feddpa_router import InstanceWeightRouter
+def stack_config(settings: ServeSettings) -> StackConfig:
+    """The stack configuration of the server's settings."""
+    s = settings
+    return StackConfig(
+        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, run_dir=s.run_dir,
+        adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
+        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
+                                                   max_waiting=s.max_waiting),
+        feddpa_routing=s.feddpa_routing, feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]
+        default_alpha=s.default_alpha, check_base=s.check_base)
 
-        router = InstanceWeightRouter.for_run(Path(s.run_dir), lambda_=alpha, S=s.feddpa_samples,  # type: ignore[arg-type]
-                                              mode=s.feddpa_mode)
-    state.base_name = s.served_model_name or s.model
-    state.resolver = TargetResolver(state.base_name, pool, router, alpha)
-    state.engine, state.pool, state.run = engine, pool, run
+
+def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
+    """Build the serving stack (:mod:`serving.stack`) and start the engine (blocking)."""
+    stack = build_stack(stack_config(state.settings), router)
+    engine, pool = stack.engine, stack.pool
+    state.stack = stack
+    state.base_name = stack.base_name
+    state.resolver = stack.resolver
+    state.engine, state.pool, state.run = engine, pool, stack.run_info
     state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count)
     engine.start()
     state.created = int(time.time())
     state.ready = True
-
-
-def _has_embeddings(run_dir: Path | None) -> bool:
-    clients = Path(run_dir) / "adapters" / "clients" if run_dir is not None else None
-    return bool(clients and clients.is_dir() and any(clients.glob("*/embeddings.npy")))
 
 
 def _build_logged(state: ServerState, router: WeightRouter | None) -> None:
@@ -140,7 +126,7 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
     app = FastAPI(title="fedmosaic", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     errors.install(app)
-    for module in (health, models, chat, completions, adapters):
+    for module in (health, models, chat, completions, adapters, run_files):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

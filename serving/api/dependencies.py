@@ -17,6 +17,7 @@ from serving.api.metrics import Metrics
 from serving.engine import Engine
 from serving.errors import EngineNotReady
 from serving.settings import ServeSettings
+from serving.stack import ServingStack
 from serving.targets import TargetResolver
 
 
@@ -26,6 +27,7 @@ class ServerState:
 
     settings: ServeSettings
     metrics: Metrics = field(default_factory=Metrics)
+    stack: ServingStack | None = None
     engine: Engine | None = None
     pool: AdapterPool | None = None
     resolver: TargetResolver | None = None

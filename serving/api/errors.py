@@ -8,6 +8,8 @@ the only source of a 500.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,12 +59,18 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, object]]:
                                               code="internal_error")).model_dump()
 
 
-def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
+def validation_payload(problems: Sequence[Mapping[str, Any]]) -> dict[str, object]:
+    """The 400 envelope dict for pydantic validation errors (the first one names the ``param``)."""
+    first = problems[0] if problems else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))
-    return envelope(400, message, "BadRequestError", "invalid_request", param)
+    return ErrorResponse(error=ErrorBody(message=message, type="BadRequestError", param=param,
+                                         code="invalid_request")).model_dump()
+
+
+def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(validation_payload(exc.errors()), status_code=400)
 
 
 def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

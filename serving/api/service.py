@@ -16,12 +16,13 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
+from serving.api import builders
 from serving.api.dependencies import ServerState
 from serving.api.errors import error_payload
 from serving.api.protocol import SamplingFields
-from serving.errors import EngineNotReady, InvalidRequest
-from serving.request import GenerationRequest, GenerationResult, RequestHandle
+from serving.request import GenerationResult, RequestHandle
 from serving.sampling import SamplingParams
+from serving.stack import Job
 from serving.targets import TargetPlan
 
 
@@ -36,56 +37,35 @@ class Started:
     t0: float
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, state: ServerState) -> SamplingParams:
-    """Validate limits and build the engine's sampling parameters."""
-    limit = state.settings.max_tokens_limit
-    tokens = max_tokens if max_tokens is not None else min(state.settings.default_max_tokens, limit)
-    if tokens > limit:
-        raise InvalidRequest(f"max_tokens is {tokens}; this server allows at most {limit}", param="max_tokens")
-    return SamplingParams(max_tokens=tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k, 0), stop=body.stop_strings(), seed=body.seed)
+def sampling_params(body: SamplingFields, state: ServerState) -> SamplingParams:
+    """Validate the server's token limits and build the engine's sampling parameters."""
+    return builders.sampling_params(body, state.settings.max_tokens_limit, state.settings.default_max_tokens)
 
 
 async def start(state: ServerState, body: SamplingFields, prompt: str, params: SamplingParams, prefix: str) -> Started:
-    """Resolve the target, lease its adapter versions and submit the request to the engine."""
-    assert state.resolver is not None and state.engine is not None
-    plan = state.resolver.resolve(body.model, body.mixture())
-    lease = await run_in_threadpool(state.pool.acquire, plan.names) if plan.names and state.pool else None
-    try:
-        request = GenerationRequest(
-            prompt=prompt, sampling=params, adapter_names=lease.names if lease else (),
-            adapter_weights=plan.weights, weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights)
-        handle = state.engine.submit(request)
-    except Exception:
-        if lease is not None:
-            lease.release()
-        raise
-    if lease is not None:
-        handle.add_done_callback(lease.release)
-    return Started(handle, plan, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), time.perf_counter())
+    """Resolve the target, lease its adapter versions and submit the request (:meth:`ServingStack.submit`)."""
+    assert state.stack is not None
+    job = Job(target=body.model, sampling=params, prompt=prompt,
+              mixture=tuple(body.mixture()) if body.mixture() else None)
+    # leasing may reload an evicted adapter from disk: off the event loop
+    submitted = await run_in_threadpool(state.stack.submit, job)
+    return Started(submitted.handle, submitted.plan, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                   time.perf_counter())
 
 
 def usage(result: GenerationResult) -> dict[str, int]:
     """The OpenAI usage object."""
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+    return builders.usage(result)
 
 
 def extension(started: Started, result: GenerationResult | None) -> dict[str, Any]:
     """The ``fedmosaic`` response field: mode, weights used per adapter, routing info."""
-    plan = started.plan
-    weights = result.adapter_weights if result is not None else plan.weights
-    info = dict(result.route_info) if result is not None and result.route_info else dict(plan.info or {})
-    return {"mode": plan.mode, "weights": dict(zip(plan.names, weights, strict=True)), "info": info}
+    return builders.extension(started.plan, result)
 
 
 def finish_reason(result: GenerationResult) -> str:
     """The OpenAI finish reason (an engine error or shutdown surfaces as an exception)."""
-    if result.finish_reason == "error":
-        raise RuntimeError(f"generation failed: {result.error}")
-    if result.finish_reason == "cancelled":
-        raise EngineNotReady("the request was cancelled (server shutting down)")
-    return result.finish_reason
+    return builders.finish_reason(result)
 
 
 def record(state: ServerState, started: Started, result: GenerationResult, endpoint: str) -> None:

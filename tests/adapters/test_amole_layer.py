@@ -1,4 +1,5 @@
-"""AMoLE routing inside the injected model: per-client groups, reduction cases, stats, gradients."""
+"""AMoLE routing inside the injected model: per-client groups, reduction cases, stats, gradients, the
+expert-choice recorder, rows outside AMoLE in the same batch, prefixed expert sources (served versions)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from adapters import AdapterError, LoraConfig, inject
 from adapters.amole import amole_forward
 from adapters.amole_layer import SHARED, add_amole_experts, amole_parameters, expert_name, token_proj_state
-from adapters.context import AMoLERouting
+from adapters.context import AMoLEExperts, AMoLERouting, ExpertRecorder
 from fedmosaic.models import LoadedModel
 
 IDS = torch.tensor([[5, 17, 33, 8], [9, 10, 11, 12], [3, 4, 5, 6]])
@@ -103,3 +104,81 @@ def test_save_and_load_round_trip(amole, tiny: LoadedModel, tmp_path) -> None:  
     torch.testing.assert_close(after, before)
     with pytest.raises(AdapterError, match="already holds AMoLE experts"):
         load_amole(fresh, tmp_path / "am")
+
+
+def per_layer_assignment(adapted, client: int):  # noqa: ANN001, ANN201
+    """A different expert set in every layer (a client's assignment differs per module)."""
+    return {path: tuple(sorted({(client + i) % 5, (client + 2 * i + 1) % 5, (3 * client + i + 2) % 5}))
+            for i, path in enumerate(adapted.layers)}
+
+
+def test_recorded_choices_equal_a_naive_gate(amole) -> None:  # noqa: ANN001
+    groups = [per_layer_assignment(amole, 0), per_layer_assignment(amole, 1)]
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, args, p=path: inputs.__setitem__(p, args[0].detach()))
+             for path, layer in amole.layers.items()]
+    recorder = ExpertRecorder()
+    try:
+        run(amole, groups, [0, 1, -1], recorder=recorder)
+    finally:
+        for h in hooks:
+            h.remove()
+    for path, layer in amole.layers.items():
+        P = layer.token_proj.detach()
+        for row, g in ((0, 0), (1, 1)):
+            ids = groups[g][path]
+            chosen = recorder.choices(path, row)  # (T, k)
+            assert chosen.shape == (IDS.shape[1], 2)
+            for t in range(IDS.shape[1]):
+                h = inputs[path][row, t]  # (d,)
+                token = P @ h
+                scores = [float(layer.adapters[expert_name(j)].lora_A.detach() @ h @ token) / 4 ** 0.5 for j in ids]
+                gate = torch.tensor(scores).softmax(0)
+                naive = {ids[i] for i in gate.topk(2).indices.tolist()}
+                assert set(chosen[t].tolist()) == naive
+        assert all((rows != 2).all() for p, rows, *_ in recorder.records if p == path)  # the -1 row is not routed
+    counts = recorder.counts(list(amole.layers), 5, 3)
+    assert counts.shape == (3, len(amole.layers), 5)
+    assert (counts[:2].sum(-1) == 2 * IDS.shape[1]).all() and counts[2].sum() == 0
+    last = recorder.counts(list(amole.layers), 5, 3, last_token=True)
+    assert (last[:2].sum(-1) == 2).all()
+    with pytest.raises(AdapterError, match="not among"):
+        recorder.counts(["elsewhere"], 5, 3)
+
+
+def test_rows_outside_amole_share_the_batch(amole) -> None:  # noqa: ANN001
+    a = assignment(amole, (0, 2, 3))
+    amole.add_adapter("plain", LoraConfig(r=4, dropout=0.0), seed=7)
+    for _, layer in amole.adapter_layers("plain"):
+        with torch.no_grad():
+            layer.adapters["plain"].lora_B.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
+    routing = AMoLERouting(groups=(a,), row_group=torch.tensor([0, -1, -1]))
+    weights = torch.tensor([[0.0], [1.0], [0.0]])  # row 1: the plain adapter; row 2: base model
+    with torch.no_grad(), amole.context.route_amole(routing, ("plain",), weights):
+        mixed = amole.model(IDS).logits
+    alone = run(amole, [a], [0, 0, 0])
+    with torch.no_grad(), amole.context.single("plain", 3):
+        plain = amole.model(IDS).logits
+    with torch.no_grad():
+        base = amole.model(IDS).logits
+    torch.testing.assert_close(mixed[0], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[1], plain[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[2], base[2], atol=1e-5, rtol=1e-5)
+
+
+def test_expert_sources_select_a_prefixed_copy(amole) -> None:  # noqa: ANN001
+    a = assignment(amole, (1, 2, 4))
+    want = run(amole, [a], [0, 0, 0])
+    config = LoraConfig(r=4, dropout=0.0)
+    for name in [expert_name(j) for j in range(5)] + [SHARED]:
+        amole.add_adapter(f"v2/{name}", config)
+        amole.load_adapter_state(f"v2/{name}", {k: v.clone() for k, v in amole.adapter_state(name).items()})
+    proj = {path: layer.token_proj.detach().clone() for path, layer in amole.layers.items()}
+    with torch.no_grad():
+        for layer in amole.layers.values():
+            layer.token_proj.zero_()  # the layer's own P no longer matters
+    source = AMoLEExperts(prefix="v2/", token_proj=proj, top_k=2, shared=True)
+    got = run(amole, [a], [0, 0, 0], experts=(source,))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(AdapterError, match="one source per group"):
+        AMoLERouting(groups=(a, a), row_group=torch.tensor([0, 1]), experts=(source,))

@@ -1,26 +1,38 @@
-"""End-to-end ``fedmosaic eval`` on a run directory built here (tiny model, random adapters)."""
+"""End-to-end ``fedmosaic eval`` on a run directory built here (tiny model, random adapters).
+
+Generation goes through the serving stack by served target; the engine path must equal the HF
+``generate`` path (greedy), FedDPA runs are evaluated with instance-wise weights (recorded per example
+and plotted) or the fixed weight, and the prediction cache resumes and invalidates correctly.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
-from adapters import LoraConfig, inject, save_adapter
+from adapters import LoraConfig, inject, load_adapter, save_adapter
 from adapters.rundir import RunDir
 from fedmosaic.cli import main
-from fedmosaic.evaluate import EvalOptions, evaluate_run
+from fedmosaic.eval_backend import StackBackend, open_backend
+from fedmosaic.evaluate import EvalItem, EvalOptions, evaluate_run, served_targets
 from fedmosaic.tiny import save_tiny_llama, tiny_llama
+from routing.cache import EmbeddingIndex
+from routing.embedding import embed_prompts
+from serving.generation import GenerationConfig, generate_target
+from training.evaluation.predictions import Prediction
 
 DATA = {"n_train": 4, "n_test": 3, "families": ["sorting", "capitals"]}
 
 
-def build_run(root: Path) -> RunDir:
+def build_run(root: Path, method: str = "FedDPA-T", embeddings: bool = False) -> RunDir:
     model_dir = save_tiny_llama(root / "model")
     run = RunDir(root / "run")
     run.root.mkdir(parents=True)
-    run.run_json.write_text(json.dumps({"method": "FedDPA-T", "data": "generated", "data_options": DATA,
+    run.run_json.write_text(json.dumps({"method": method, "data": "generated", "data_options": DATA,
                                         "model": str(model_dir), "inference_weight": 0.5}))
     adapted = inject(tiny_llama().model)
     gen = torch.Generator().manual_seed(0)
@@ -31,7 +43,29 @@ def build_run(root: Path) -> RunDir:
             with torch.no_grad():
                 layer.adapters[name].lora_B.copy_(torch.randn(layer.adapters[name].lora_B.shape, generator=gen))
         save_adapter(adapted, name, folder)
+    if embeddings:  # as training writes them: local prompts' last-token states with the global adapter on
+        tiny = tiny_llama()
+        model = inject(tiny.model)
+        load_adapter(model, run.global_adapter, "global", check_base=False)
+        for c, train in (("sorting", ["Sort: b, a", "Sort: kiwi, fig, date"]), ("capitals", ["Capital of Chad?"])):
+            vecs = embed_prompts(tiny.model, model, tiny.tokenizer, train, ("global",))
+            EmbeddingIndex(vecs).save(run.client_dir(c))
     return run
+
+
+class Spy:
+    """Wraps the real backend and counts the examples it generates."""
+
+    def __init__(self, inner: StackBackend) -> None:
+        self.inner, self.base_name, self.calls = inner, inner.base_name, 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - delegate models/describe/add_adapter/remove_adapter
+        return getattr(self.inner, name)
+
+    def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
+        for item, pred in self.inner.generate(items):
+            self.calls += 1
+            yield item, pred
 
 
 def test_evaluate_run_writes_tables_json_and_plots(tmp_path: Path) -> None:
@@ -41,6 +75,8 @@ def test_evaluate_run_writes_tables_json_and_plots(tmp_path: Path) -> None:
     assert summary["clients"] == ["sorting", "capitals"]
     assert set(summary["scores"]) == {"sorting", "capitals", "global", "base"}
     assert summary["scores"]["base"]["sorting"]["n"] == 2
+    # no embedding index: the personalised model is the fixed (0.5, 0.5) mix, and nothing to plot
+    assert summary["targets"]["sorting"]["weights"] == [0.5, 0.5] and "feddpa_weights" not in summary
     md = (run.eval_dir / "table.md").read_text()
     assert "Personalization" in md and "| FedDPA-T |" in md and "| FedDPA-T [base] |" in md
     saved = json.loads((run.eval_dir / "results.json").read_text())
@@ -48,15 +84,79 @@ def test_evaluate_run_writes_tables_json_and_plots(tmp_path: Path) -> None:
     for png in ("scores.png", "rounds.png"):
         assert (run.eval_dir / png).read_bytes()[:4] == b"\x89PNG"
     lines = (run.eval_dir / "predictions" / "final" / "sorting" / "capitals.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and {"prompt", "prediction", "reference"} <= set(json.loads(lines[0]))
+    row = json.loads(lines[0])
+    assert len(lines) == 2 and {"prompt", "prediction", "reference", "tag"} <= set(row)
+    assert row["weights"] == {"global": 0.5, "sorting:local": 0.5}
 
-    calls = []
-
-    def counting(prompts, names, weights):  # noqa: ANN001, ANN202
-        calls.append(len(prompts))
-        return ["x"] * len(prompts)
-
-    evaluate_run(run.root, opts, generate_fn=counting)  # everything cached: nothing regenerated
-    assert calls == []
+    spy = Spy(open_backend(run, run.read_config(), dtype="float32", max_new_tokens=3, batch_size=2))
+    assert evaluate_run(run.root, opts, backend=spy)["scores"] == summary["scores"]
+    assert spy.calls == 0  # everything cached: nothing regenerated
+    spy.inner.max_new_tokens = 4  # another decoding setting: the tags differ, every example is redone
+    evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=4, batch_size=2, dtype="float32"), backend=spy)
+    assert spy.calls == 4 * 2  # (2 clients + global + base) x 2 tasks x 1 example
     assert main(["eval", str(run.root), str(run.root), "--compare", "--out", str(tmp_path / "cmp.md")]) == 0
     assert (tmp_path / "cmp.md").read_text().count("| FedDPA-T |") == 4  # two runs x two blocks
+
+
+def test_engine_path_equals_hf_generate_path(tmp_path: Path) -> None:
+    run = build_run(tmp_path, embeddings=True)
+    # knn: the S nearest instances, so a routed weight does not depend on the order of the requests
+    backend = open_backend(run, run.read_config(), dtype="float32", max_new_tokens=6, batch_size=3, mode="knn")
+    assert backend.stack.routing == "instance"
+    targets = served_targets(backend.models(), backend.base_name, ["sorting", "capitals", "absent"])
+    # a client without a local adapter is served the global model (FedIT-style)
+    assert targets == {"sorting": "sorting", "capitals": "capitals", "absent": "global", "global": "global",
+                       "base": backend.base_name}
+    prompts = ["Sort: pear, apple, fig", "Capital of Peru?", "twelve plus seven", "Convert 5 km to m", "Hi"]
+    for target in ("sorting", "capitals:local", "global", backend.base_name):
+        items = [EvalItem("final", target, "t", i, target, p, "", "") for i, p in enumerate(prompts)]
+        engine = {item.i: pred for item, pred in backend.generate(items)}
+        hf = generate_target(backend.stack, target, prompts, GenerationConfig(max_new_tokens=6, batch_size=3))
+        assert [engine[i].text for i in range(len(prompts))] == [c.text for c in hf]
+        for i, c in enumerate(hf):  # the same routed weights, per example
+            assert engine[i].extra.get("weights", {}) == pytest.approx(c.weights)
+    routed = [pred for _, pred in backend.generate(
+        [EvalItem("final", "sorting", "t", i, "sorting", p, "", "") for i, p in enumerate(prompts)])]
+    a = [r.extra["weights"]["sorting:local"] for r in routed]
+    assert len(set(a)) > 1  # instance-wise: a differs per example
+    for r in routed:
+        route = r.extra["route"]
+        assert route["source"] == "instance" and route["a"] == pytest.approx(
+            min(1.0, max(0.0, 0.5 * route["mean_similarity"])), abs=1e-6)
+
+
+def test_feddpa_weights_recorded_and_plotted_or_fixed_on_request(tmp_path: Path) -> None:
+    run = build_run(tmp_path, embeddings=True)
+    opts = EvalOptions(limit=2, max_new_tokens=2, batch_size=4, dtype="float32", feddpa_samples=3)
+    summary = evaluate_run(run.root, opts)
+    target = summary["targets"]["sorting"]
+    assert target["routed"] and target["routing"]["routing"] == "instance"
+    weights = summary["feddpa_weights"]
+    assert weights["per_task_own_client"]["sorting"]["n"] == 2
+    assert weights["per_task_other_clients"]["sorting"]["n"] == 2
+    assert set(weights["per_client"]) == {"sorting", "capitals"}
+    assert (run.eval_dir / "feddpa_weights.png").read_bytes()[:4] == b"\x89PNG"
+    rows = run.eval_dir / "predictions" / "final" / "capitals" / "sorting.jsonl"
+    row = json.loads(rows.read_text().splitlines()[0])
+    assert row["weights"]["capitals:local"] == pytest.approx(row["route"]["a"])
+    assert row["route"]["S_requested"] == 3 and row["route"]["S"] == 1  # capitals stored one instance
+    assert sum(row["weights"].values()) == pytest.approx(1.0)
+    fixed = evaluate_run(run.root, EvalOptions(limit=2, max_new_tokens=2, dtype="float32", feddpa_weights="fixed"))
+    assert not fixed["targets"]["sorting"]["routed"] and "feddpa_weights" not in fixed
+    row = json.loads(rows.read_text().splitlines()[-1])
+    assert row["weights"] == {"global": 0.5, "capitals:local": 0.5}  # the routed rows were not reused
+
+
+def test_beam_search_and_option_errors(tmp_path: Path) -> None:
+    run = build_run(tmp_path, method="fedlora", embeddings=True)
+    backend = open_backend(run, run.read_config(), dtype="float32", max_new_tokens=3, num_beams=2, batch_size=2)
+    assert backend.stack.routing == "fixed"  # auto: instance-wise weighting is FedDPA's, not FedLoRA's
+    items = [EvalItem("final", "sorting", "t", i, "sorting", p, "", "") for i, p in enumerate(["a b", "c"])]
+    out = dict(backend.generate(items))
+    assert len(out) == 2 and all(p.extra["weights"] == {"global": 0.5, "sorting:local": 0.5} for p in out.values())
+    assert backend.describe("sorting")["decoding"] == "beams=2"
+    bare = build_run(tmp_path / "bare")
+    with pytest.raises(ValueError, match="embedding index"):
+        open_backend(bare, bare.read_config(), weighting="instance")
+    with pytest.raises(ValueError, match="feddpa_weights"):
+        EvalOptions(feddpa_weights="sometimes")

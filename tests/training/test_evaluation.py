@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from training.evaluation import PredictionCache, Scores, example_scores, plots, score, tables
+from training.evaluation import Prediction, PredictionCache, Scores, example_scores, plots, score, tables
 
 
 def test_rouge_and_exact_on_hand_checked_pairs() -> None:
@@ -90,3 +90,21 @@ def test_prediction_cache_resumes_after_interruption(tmp_path: Path) -> None:
     out = cache.fill("final", "0", "t", changed, changed, lambda ps: calls.append(list(ps)) or ["x"] * len(ps))
     assert out[-1] == "x"
     assert calls == [["q4"]]
+
+
+def test_prediction_cache_tags_and_extras(tmp_path: Path) -> None:
+    cache = PredictionCache(tmp_path)
+    prompts = ["p0", "p1"]
+    out = cache.fill("final", "0", "t", prompts, ["r0", "r1"],
+                     lambda ps: [Prediction(p.upper(), {"weights": {"global": 0.25}}) for p in ps], tag="greedy")
+    assert out == ["P0", "P1"]
+    rows = cache.rows("final", "0", "t", prompts, tag="greedy")
+    assert rows[0] == {"i": 0, "prompt": "p0", "prediction": "P0", "reference": "r0", "tag": "greedy",
+                       "weights": {"global": 0.25}}
+    assert cache.missing("final", "0", "t", prompts, tag="greedy") == []
+    assert cache.missing("final", "0", "t", prompts, tag="beams=4") == [0, 1]  # another setting: recomputed
+    with pytest.raises(KeyError, match="lacks valid rows"):
+        cache.rows("final", "0", "t", prompts, tag="beams=4")
+    cache.append("final", "0", "t", [{"i": 1, "prompt": "p1", "prediction": "new", "tag": "beams=4"}])
+    assert cache.missing("final", "0", "t", prompts, tag="beams=4") == [0]  # the last row of an index wins
+    assert plots.plot_weights({"a": [0.7, 0.9]}, tmp_path / "w.png", others={"a": [0.1], "b": [0.2]}).is_file()

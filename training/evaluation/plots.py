@@ -32,11 +32,32 @@ def plot_rounds(series: Mapping[str, Mapping[int, float]], metric: str, out: Pat
     return out
 
 
-def plot_weights(weights: Mapping[str, Sequence[float]], out: Path, title: str = "") -> Path:
-    """Box plot of the FedDPA local-adapter weight ``a`` per task (one box per task)."""
-    tasks = [t for t in weights if weights[t]]
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(tasks) + 2), 4))
-    ax.boxplot([list(weights[t]) for t in tasks], tick_labels=tasks)
+def plot_weights(weights: Mapping[str, Sequence[float]], out: Path, title: str = "",
+                 others: Mapping[str, Sequence[float]] | None = None) -> Path:
+    """Box plot of the FedDPA local-adapter weight ``a`` per task (one box per task).
+
+    With ``others``, each task gets two boxes side by side: ``weights`` (the client whose own task it
+    is) and ``others`` (every other client's personalised model on that task), so one sees whether
+    ``a`` is high on the client's own task and lower on test-time tasks (paper 000 section 4.3).
+    """
+    others = others or {}
+    tasks = [t for t in dict.fromkeys([*weights, *others]) if weights.get(t) or others.get(t)]
+    fig, ax = plt.subplots(figsize=(max(6, (1.4 if others else 0.8) * len(tasks) + 2), 4))
+    centres = list(range(1, len(tasks) + 1))
+    if others:
+        for values, shift, colour, label in ((weights, -0.2, "tab:blue", "own client"),
+                                             (others, 0.2, "tab:orange", "other clients")):
+            pos = [c + shift for c, t in zip(centres, tasks, strict=True) if values.get(t)]
+            data = [list(values[t]) for t in tasks if values.get(t)]
+            if data:
+                parts = ax.boxplot(data, positions=pos, widths=0.35, patch_artist=True, medianprops={"color": "black"})
+                for box in parts["boxes"]:
+                    box.set_facecolor(colour)
+                ax.plot([], [], color=colour, linewidth=8, label=label)
+        ax.set_xticks(centres, tasks)
+        ax.legend(loc="best")
+    else:
+        ax.boxplot([list(weights[t]) for t in tasks], tick_labels=tasks)
     ax.set_ylim(-0.02, 1.02)
     ax.set_ylabel("local adapter weight a")
     ax.set_title(title or "FedDPA instance-wise weight per task")

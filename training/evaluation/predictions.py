@@ -1,16 +1,28 @@
-"""A resumable prediction cache: one JSONL per (checkpoint, model key, task), appended batch by batch.
+"""A resumable prediction cache: one JSONL per (checkpoint, model key, task), appended row by row.
 
-An evaluation that is interrupted (Ctrl-C, a crash, a killed machine) keeps every completed batch; the
+An evaluation that is interrupted (Ctrl-C, a crash, a killed machine) keeps every finished row; the
 next run reads the finished rows, skips them, and generates only the rest. A torn last line is
-ignored and its row recomputed. A row whose prompt no longer matches is recomputed too, so a changed
-data set or template never mixes stale predictions into the scores.
+ignored and its row recomputed. A row whose prompt no longer matches is recomputed too, and so is a
+row whose ``tag`` (how it was generated: served target, routing, decoding) differs from the one asked
+for, so a changed data set, template, target or decoding setting never mixes stale predictions into
+the scores. Rows may carry extra fields (e.g. the FedDPA weights an answer was decoded with).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A generated answer and extra fields stored with it (JSON-serialisable)."""
+
+    text: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class PredictionCache:
@@ -25,7 +37,7 @@ class PredictionCache:
         return self.root / checkpoint / key / f"{task}.jsonl"
 
     def read(self, checkpoint: str, key: str, task: str) -> dict[int, dict]:
-        """Finished rows by example index (torn or malformed lines are skipped)."""
+        """Finished rows by example index (torn or malformed lines are skipped; the last row of an index wins)."""
         path = self.path(checkpoint, key, task)
         rows: dict[int, dict] = {}
         if not path.is_file():
@@ -38,6 +50,37 @@ class PredictionCache:
                 continue
         return rows
 
+    def missing(self, checkpoint: str, key: str, task: str, prompts: Sequence[str], tag: str | None = None
+                ) -> list[int]:
+        """Indexes of ``prompts`` without a valid row (absent, other prompt, or another ``tag``)."""
+        done = self.read(checkpoint, key, task)
+        return [i for i, p in enumerate(prompts) if not _valid(done.get(i), p, tag)]
+
+    def append(self, checkpoint: str, key: str, task: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append finished rows (each with ``i``, ``prompt``, ``prediction``) and flush them to disk."""
+        path = self.path(checkpoint, key, task)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torn = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+        with path.open("a", encoding="utf-8") as fh:
+            if torn:
+                fh.write("\n")  # close a torn line so the next row starts clean
+            for row in rows:
+                fh.write(json.dumps(dict(row)) + "\n")
+            fh.flush()
+
+    def rows(self, checkpoint: str, key: str, task: str, prompts: Sequence[str], tag: str | None = None
+             ) -> list[dict]:
+        """The valid row of every prompt, in order.
+
+        Raises:
+            KeyError: a prompt has no valid row yet.
+        """
+        done = self.read(checkpoint, key, task)
+        bad = [i for i, p in enumerate(prompts) if not _valid(done.get(i), p, tag)]
+        if bad:
+            raise KeyError(f"{self.path(checkpoint, key, task)} lacks valid rows for examples {bad[:10]}")
+        return [done[i] for i in range(len(prompts))]
+
     def fill(
         self,
         checkpoint: str,
@@ -45,26 +88,34 @@ class PredictionCache:
         task: str,
         prompts: Sequence[str],
         references: Sequence[str],
-        generate: Callable[[Sequence[str]], list[str]],
+        generate: Callable[[Sequence[str]], Sequence[str | Prediction]],
         batch_size: int = 8,
+        tag: str | None = None,
     ) -> list[str]:
-        """Return predictions for every prompt, generating (and appending) only the missing ones."""
-        done = self.read(checkpoint, key, task)
-        todo = [i for i, p in enumerate(prompts) if i not in done or done[i].get("prompt") != p]
-        path = self.path(checkpoint, key, task)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if todo and path.is_file() and not path.read_bytes().endswith(b"\n"):
-            with path.open("a", encoding="utf-8") as fh:
-                fh.write("\n")  # close a torn line so the next row starts clean
+        """Return predictions for every prompt, generating (and appending) only the missing ones.
+
+        ``generate`` returns plain strings or :class:`Prediction` objects (whose extras are stored).
+        """
+        todo = self.missing(checkpoint, key, task, prompts, tag)
         for start in range(0, len(todo), batch_size):
             idx = todo[start:start + batch_size]
             outs = generate([prompts[i] for i in idx])
             if len(outs) != len(idx):
                 raise RuntimeError(f"generation returned {len(outs)} answers for {len(idx)} prompts")
-            with path.open("a", encoding="utf-8") as fh:
-                for i, out in zip(idx, outs, strict=True):
-                    row = {"i": i, "prompt": prompts[i], "prediction": out, "reference": references[i]}
-                    fh.write(json.dumps(row) + "\n")
-                    done[i] = row
-                fh.flush()
-        return [done[i]["prediction"] for i in range(len(prompts))]
+            self.append(checkpoint, key, task, [make_row(i, prompts[i], references[i], out, tag)
+                                                for i, out in zip(idx, outs, strict=True)])
+        return [row["prediction"] for row in self.rows(checkpoint, key, task, prompts, tag)]
+
+
+def make_row(i: int, prompt: str, reference: str, out: str | Prediction, tag: str | None = None) -> dict[str, Any]:
+    """The cache row of example ``i``."""
+    pred = out if isinstance(out, Prediction) else Prediction(out)
+    row: dict[str, Any] = {"i": i, "prompt": prompt, "prediction": pred.text, "reference": reference}
+    if tag is not None:
+        row["tag"] = tag
+    row.update({k: v for k, v in pred.extra.items() if k not in row})
+    return row
+
+
+def _valid(row: Mapping[str, Any] | None, prompt: str, tag: str | None) -> bool:
+    return row is not None and row.get("prompt") == prompt and (tag is None or row.get("tag") == tag)

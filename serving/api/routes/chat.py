@@ -7,30 +7,20 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
-from serving.api import service
-from serving.api.dependencies import ServerState, State, require_api_key
+from serving.api import builders, service
+from serving.api.dependencies import State, require_api_key
 from serving.api.protocol import ChatCompletionRequest
-from serving.errors import InvalidRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
-
-
-def _prompt(state: ServerState, body: ChatCompletionRequest) -> str:
-    assert state.engine is not None
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        return str(state.engine.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            messages, tokenize=False, add_generation_prompt=True))
-    except Exception as exc:  # noqa: BLE001 - templates raise on unsupported role orders
-        raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, state: State) -> Response:
     """OpenAI chat completions over the base model, an adapter, a FedDPA client or a mixture."""
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = service.sampling_params(body, max_tokens, state)
-    started = await service.start(state, body, _prompt(state, body), params, "chatcmpl")
+    assert state.engine is not None
+    params = service.sampling_params(body, state)
+    prompt = builders.chat_prompt(state.engine.tokenizer, body)
+    started = await service.start(state, body, prompt, params, "chatcmpl")
     head: dict[str, Any] = {"id": started.response_id, "created": started.created, "model": body.model}
 
     if body.stream:
@@ -47,9 +37,4 @@ async def chat_completions(body: ChatCompletionRequest, state: State) -> Respons
         return service.sse(state, started, "chat", chunk, include)
 
     result = await service.complete(state, started, "chat")
-    return JSONResponse({
-        **head, "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                     "logprobs": None, "finish_reason": service.finish_reason(result)}],
-        "usage": service.usage(result), "fedmosaic": service.extension(started, result),
-    })
+    return JSONResponse(builders.chat_body(started.response_id, started.created, body.model, started.plan, result))

@@ -7,10 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
-from serving.api import service
+from serving.api import builders, service
 from serving.api.dependencies import State, require_api_key
 from serving.api.protocol import CompletionRequest
-from serving.errors import InvalidRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -18,11 +17,8 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, state: State) -> Response:
     """OpenAI (legacy) completions; one prompt per request."""
-    try:
-        prompt = body.prompt_text()
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param="prompt") from exc
-    params = service.sampling_params(body, body.max_tokens, state)
+    prompt = builders.completion_prompt(body)
+    params = service.sampling_params(body, state)
     started = await service.start(state, body, prompt, params, "cmpl")
     head: dict[str, Any] = {"id": started.response_id, "object": "text_completion", "created": started.created,
                             "model": body.model}
@@ -37,9 +33,5 @@ async def completions(body: CompletionRequest, state: State) -> Response:
         return service.sse(state, started, "completions", chunk, include)
 
     result = await service.complete(state, started, "completions")
-    return JSONResponse({
-        **head,
-        "choices": [{"index": 0, "text": echo + result.text, "logprobs": None,
-                     "finish_reason": service.finish_reason(result)}],
-        "usage": service.usage(result), "fedmosaic": service.extension(started, result),
-    })
+    return JSONResponse(builders.completion_body(started.response_id, started.created, body.model, started.plan,
+                                                 result, echo))

@@ -1,4 +1,4 @@
-"""GET /v1/models: the base model, every loaded adapter, and every FedDPA client."""
+"""GET /v1/models: the base model, every loaded adapter, and every FedDPA or AMoLE client."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def list_models(state: State) -> ModelList:
         if info is not None:
             extra = {"kind": "adapter", "version": info.version, "pinned": info.pinned, "loaded": info.loaded}
             cards.append(ModelCard(id=name, created=state.created, root=str(info.path), parent=base, fedmosaic=extra))
-        else:
+        else:  # a FedDPA or AMoLE client
             cards.append(ModelCard(id=name, created=state.created, root=base, parent=base,
-                                   fedmosaic={"kind": "feddpa", "adapters": ["global", f"{name}:local"]}))
+                                   fedmosaic=state.resolver.describe(name)))
     return ModelList(data=cards)

@@ -1,0 +1,144 @@
+"""Serving throughput on SmolLM2: 8 concurrent requests from 8 clients with FedDPA, against baselines.
+
+Eight chat requests, each from a different client of a FedDPA-T-like run (global + 8 local LoRAs,
+r=8 on q/v; :mod:`bench.serve_common`), each decoding exactly ``--tokens`` tokens (eos ignored).
+Cases, interleaved round by round, medians reported:
+  engine_feddpa       the continuous-batching engine, 8 ``<client>`` targets with instance-wise
+                      FedDPA weights (paper 000 section 4.3), one batch mixing all 8 clients
+  engine_base         the same 8 prompts on the bare base model, one batch
+  engine_feddpa_seq   the engine, the 8 FedDPA requests one after another (no batching)
+  peft_sequential     HF PEFT holding each client's (1 - a, a) mixture as one adapter (the exact
+                      rank-concatenated export), ``set_adapter`` per request, ``generate`` one by one
+Then time to first token (TTFT) of one new request: on an idle engine, and while 7 other clients'
+requests are decoding (the engine's background thread; the new request is prefilled between steps).
+Prints one JSON object: aggregate decode tokens/s (tokens of all 8 requests / wall time), ratios, TTFT.
+Usage: python bench/serve_throughput.py [--tokens 32] [--rounds 3] [--model smollm2] [--dtype ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from serve_common import build_run, interleave, median, prompts, timed  # bench/ is the script's folder
+
+from adapters.export import export_mixture
+from fedmosaic.models import load_base_model
+from fedmosaic.settings import DTYPES
+from serving.engine import EngineConfig
+from serving.sampling import SamplingParams
+from serving.stack import Job, ServingStack, StackConfig, build_stack
+
+CLIENTS = 8
+
+
+def run_jobs(stack: ServingStack, jobs: list[Job]) -> float:
+    """Wall seconds to finish ``jobs`` together (continuous batching)."""
+    return timed(lambda: list(stack.run(jobs)))
+
+
+def peft_model(model_name: str, dtype: str | None, folders: list[Path]):  # noqa: ANN201
+    """A separate copy of the base model with every client's mixture as a named PEFT adapter."""
+    from peft import PeftModel
+
+    loaded = load_base_model(model_name, dtype=dtype)  # type: ignore[arg-type]
+    model = PeftModel.from_pretrained(loaded.model, str(folders[0]), adapter_name="c0")
+    for c, folder in enumerate(folders[1:], 1):
+        model.load_adapter(str(folder), adapter_name=f"c{c}")
+    model.eval()
+    return loaded, model
+
+
+def peft_sequential(loaded, model, texts: list[str], tokens: int) -> float:  # noqa: ANN001
+    def go() -> None:
+        for c, text in enumerate(texts):
+            model.set_adapter(f"c{c}")
+            ids = loaded.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+            with torch.inference_mode(), loaded.autocast():
+                model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                               pad_token_id=loaded.tokenizer.pad_token_id)
+
+    return timed(go)
+
+
+def ttft(stack: ServingStack, text: str, load: list[Job]) -> float:
+    """Seconds from submitting one request to its first streamed text, with ``load`` decoding meanwhile."""
+    engine = stack.engine
+    engine.start()
+    background = [stack.submit(job) for job in load]
+    try:
+        while engine.stats().running < len(load):
+            time.sleep(0.005)
+        sub = stack.submit(Job("c7", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), text))
+        t0 = time.perf_counter()
+        next(iter(sub.handle.stream()))
+        seconds = time.perf_counter() - t0
+        sub.handle.result()
+    finally:
+        for b in background:
+            b.handle.cancel()
+        engine.stop()  # start() in the next round reopens it
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default=None, choices=DTYPES)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_base_model(args.model, dtype=args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = build_run(loaded, Path(tmp))
+        stack = build_stack(StackConfig(model=args.model, run_dir=run, engine=EngineConfig(max_batch_size=CLIENTS)),
+                            loaded=loaded)
+        texts = prompts(loaded.tokenizer, CLIENTS)
+        params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+        feddpa = [Job(f"c{c}", params, texts[c]) for c in range(CLIENTS)]
+        base = [Job(stack.base_name, params, t) for t in texts]
+        # each client's mixture at its fixed weight, exported exactly as one PEFT adapter of rank r_g + r_l
+        folders = []
+        alpha = float(stack.info["alpha"])
+        for c in range(CLIENTS):
+            lease = stack.pool.acquire(("global", f"c{c}:local"))
+            g, loc = lease.names
+            folders.append(export_mixture(stack.adapted, [(g, 1 - alpha), (loc, alpha)], Path(tmp) / "peft" / f"c{c}"))
+            lease.release()
+        ploaded, pmodel = peft_model(args.model, args.dtype, folders)
+        run_jobs(stack, feddpa[:2])  # warm-up
+        seconds = interleave({
+            "engine_feddpa": lambda: run_jobs(stack, feddpa),
+            "engine_base": lambda: run_jobs(stack, base),
+            "engine_feddpa_seq": lambda: sum(run_jobs(stack, [j]) for j in feddpa),
+            "peft_sequential": lambda: peft_sequential(ploaded, pmodel, texts, args.tokens),
+        }, args.rounds)
+        total = CLIENTS * args.tokens
+        tps = {k: round(total / median(v), 1) for k, v in seconds.items()}
+        load = [Job(f"c{c}", SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True), texts[c])
+                for c in range(CLIENTS - 1)]
+        probe = prompts(loaded.tokenizer, 1, 50)[0]
+        ttfts = interleave({"idle": lambda: ttft(stack, probe, []),
+                            "under_load_7": lambda: ttft(stack, probe, load)}, args.rounds)
+    print(json.dumps({
+        "model": args.model, "dtype": loaded.dtype, "threads": torch.get_num_threads(), "clients": CLIENTS,
+        "tokens_per_request": args.tokens, "rounds": args.rounds, "feddpa_routing": stack.routing,
+        "decode_tokens_per_s": tps,
+        "wall_s_median": {k: median(v) for k, v in seconds.items()},
+        "ratio_feddpa_to_base": round(tps["engine_feddpa"] / tps["engine_base"], 3),
+        "ratio_feddpa_to_peft_sequential": round(tps["engine_feddpa"] / tps["peft_sequential"], 3),
+        "ratio_feddpa_batched_to_sequential": round(tps["engine_feddpa"] / tps["engine_feddpa_seq"], 3),
+        "ttft_ms_median": {k: round(1e3 * median(v), 1) for k, v in ttfts.items()},
+        "ttft_ratio_load_to_idle": round(median(ttfts["under_load_7"]) / median(ttfts["idle"]), 3),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

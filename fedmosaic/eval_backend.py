@@ -1,0 +1,148 @@
+"""How ``fedmosaic eval`` generates: served targets through the serving stack (engine or beam search).
+
+The evaluator never builds adapter weights itself. It asks for *served targets* (the base model,
+``global``, ``<client>`` personalised, ``<client>:local``), and :class:`serving.targets.TargetResolver`
+decides what each means, exactly as for an HTTP request: FedDPA's ``<client>`` is the
+instance-wise ``(1 - a, a)`` mixture of paper 000 section 4.3 when the run has its embedding index (or
+the run's fixed inference weight), and any other kind of target the resolver learns (AMoLE routing)
+is evaluated with no change here.
+
+Greedy decoding (the protocol's default) runs on the continuous-batching engine
+(:meth:`serving.stack.ServingStack.run`): every missing example of every (model, task) pair is in one
+stream, so rows of different clients share decode steps. Routed targets prefill twice
+(``exact_prefill``) so the first token also uses the routed weights, as the paper's model does. The
+engine has no beam search, so ``num_beams > 1`` (the FedDPA reference used 4) goes through
+:func:`serving.generation.generate_target` (HF ``generate``, static batches, same targets and weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from adapters.rundir import RunDir
+from fedmosaic.evaluate import WEIGHTING, EvalItem
+from serving.engine import EngineConfig
+from serving.generation import GenerationConfig, generate_target
+from serving.sampling import SamplingParams
+from serving.stack import Job, ServingStack, StackConfig, build_stack
+from training.evaluation.predictions import Prediction
+
+# No length cap beyond the model's own: evaluation prompts are bounded by the data set.
+_NO_LIMIT = 1 << 20
+
+
+class StackBackend:
+    """An :class:`EvalBackend` over a :class:`~serving.stack.ServingStack`.
+
+    Args:
+        stack: the serving stack holding the run's adapters.
+        max_new_tokens: generation budget per answer.
+        num_beams: 1 decodes greedily on the engine; more uses HF beam search.
+        batch_size: engine batch rows (or beam-search batch size).
+    """
+
+    def __init__(self, stack: ServingStack, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8) -> None:
+        self.stack = stack
+        self.base_name = stack.base_name
+        self.max_new_tokens = max_new_tokens
+        self.num_beams = num_beams
+        self.batch_size = batch_size
+
+    def models(self) -> list[str]:
+        return self.stack.models()
+
+    def describe(self, target: str) -> dict[str, Any]:
+        plan = self.stack.plan(target)
+        routed = plan.weight_fn is not None
+        decoding = "greedy" if self.num_beams == 1 else f"beams={self.num_beams}"
+        out: dict[str, Any] = {"target": target, "mode": plan.mode, "adapters": list(plan.names), "routed": routed,
+                               "weights": None if routed else list(plan.weights), "decoding": decoding,
+                               "max_new_tokens": self.max_new_tokens}
+        if routed:
+            out["routing"] = dict(self.stack.info)
+        return out
+
+    def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
+        if self.num_beams > 1:
+            yield from self._beams(items)
+            return
+        sampling = SamplingParams(max_tokens=self.max_new_tokens, temperature=0.0)
+        jobs = (Job(target=it.target, sampling=sampling, prompt=it.prompt, exact_prefill=True, key=it) for it in items)
+        for outcome in self.stack.run(jobs):
+            item: EvalItem = outcome.job.key
+            if outcome.error is not None:
+                raise RuntimeError(f"{item.key}/{item.task} example {item.i}: {outcome.error}") from outcome.error
+            assert outcome.result is not None
+            if outcome.result.finish_reason in ("error", "cancelled"):
+                raise RuntimeError(f"{item.key}/{item.task} example {item.i}: generation "
+                                   f"{outcome.result.finish_reason}: {outcome.result.error}")
+            yield item, _prediction(outcome.result.text, outcome.weights(), outcome.result.route_info)
+
+    def _beams(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
+        config = GenerationConfig(max_new_tokens=self.max_new_tokens, num_beams=self.num_beams,
+                                  batch_size=self.batch_size)
+        by_target: dict[str, list[EvalItem]] = {}
+        for it in items:
+            by_target.setdefault(it.target, []).append(it)
+        for target, group in by_target.items():
+            for start in range(0, len(group), self.batch_size):
+                chunk = group[start:start + self.batch_size]
+                outs = generate_target(self.stack, target, [it.prompt for it in chunk], config)
+                for it, out in zip(chunk, outs, strict=True):
+                    yield it, _prediction(out.text, out.weights, out.info)
+
+    def add_adapter(self, name: str, folder: Path) -> None:
+        self.stack.pool.load(name, folder, replace=True)
+
+    def remove_adapter(self, name: str) -> None:
+        self.stack.pool.unload(name)
+
+
+def _prediction(text: str, weights: dict[str, float], info: Any) -> Prediction:
+    extra: dict[str, Any] = {}
+    if weights:
+        extra["weights"] = weights
+    if info:
+        extra["route"] = dict(info)
+    return Prediction(text.strip(), extra)
+
+
+def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
+    """``instance`` or ``fixed``: how ``<client>`` targets of this run are evaluated.
+
+    ``auto`` follows DESIGN.md's protocol: a FedDPA run's personalised model uses the instance-wise
+    weight of paper 000 section 4.3 when the run has its embedding index; other methods (whose
+    personalised model is a fixed mixture, e.g. the local adapter alone) use the fixed weight.
+
+    Raises:
+        ValueError: ``instance`` asked for but the run has no embedding index, or an unknown mode.
+    """
+    if weighting not in WEIGHTING:
+        raise ValueError(f"FedDPA weighting must be one of {WEIGHTING}, got {weighting!r}")
+    has_index = any(run.embeddings(c).is_file() for c in run.clients())
+    if weighting == "instance" and not has_index:
+        raise ValueError(f"instance-wise FedDPA weights need the run's embedding index "
+                         f"(adapters/clients/<id>/embeddings.npy); {run.root} has none: use 'fixed'")
+    if weighting == "auto":
+        is_feddpa = str(cfg.get("method", "")).lower().startswith("feddpa")
+        return "instance" if is_feddpa and has_index else "fixed"
+    return weighting
+
+
+def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, dtype: str | None = None,
+                 max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8, weighting: str = "auto",
+                 samples: int = 5, mode: str = "random") -> StackBackend:
+    """Build the serving stack over ``run`` and wrap it for evaluation."""
+    routing = feddpa_routing(cfg, run, weighting)
+    config = StackConfig(
+        model=model or cfg.get("model", "smollm2"), dtype=dtype, run_dir=run.root,
+        max_loras=len(run.clients()) + 4,
+        engine=EngineConfig(max_batch_size=batch_size, max_model_len=_NO_LIMIT, max_waiting=max(64, 4 * batch_size)),
+        feddpa_routing=routing, feddpa_samples=samples, feddpa_mode=mode,  # type: ignore[arg-type]
+        check_base=False)
+    stack = build_stack(config)
+    if routing == "instance" and stack.routing != "instance":
+        raise ValueError(f"instance-wise FedDPA weights were asked for but {run.root} gave no embedding index")
+    return StackBackend(stack, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size)

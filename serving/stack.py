@@ -1,0 +1,266 @@
+"""The serving stack without HTTP: base model, adapter pool, target resolver and engine, built once.
+
+The HTTP app (:mod:`serving.api`), the batch runner (:mod:`serving.batch`), the batch evaluator
+(``fedmosaic eval``) and the benchmarks all build this one stack and ask for *served targets* by name
+(the base model, ``global``, ``<client>`` personalised, ``<client>:local``, any loaded adapter;
+DESIGN.md, Serving). What a name means is decided in one place, :class:`serving.targets.TargetResolver`
+(FedDPA's instance-wise weighting of paper 000 section 4.3 for ``<client>`` when the run has its
+embedding index), and a resolved plan becomes an engine request in one place, :func:`request_for`, so
+a new kind of target (AMoLE routing, paper 002) reaches every caller at once.
+
+:meth:`ServingStack.run` drives many jobs through the engine with continuous batching: it keeps a
+window of requests in flight, steps the engine in the caller's thread (or waits on the background
+thread when one runs) and yields each outcome as soon as it finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from adapters import AdaptedModel, inject
+from fedmosaic.models import LoadedModel, load_base_model
+from serving.adapter_pool import AdapterPool, Lease, RunInfo
+from serving.engine import Engine, EngineConfig
+from serving.request import GenerationRequest, GenerationResult, RequestHandle
+from serving.sampling import SamplingParams
+from serving.targets import TargetPlan, TargetResolver, WeightRouter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to load and how to serve it.
+
+    Attributes:
+        model: base model: ``smollm2``, ``tiny``, or an HF model folder.
+        served_model_name: the base model's target name (default: ``model``).
+        dtype: ``float32``, ``bfloat16`` or ``autocast-bf16`` (None: the setting's default).
+        run_dir: a training run directory to serve (``global`` and every ``<client>:local``).
+        adapters: extra adapters as ``name=folder``.
+        adapter_root: adapter folders must resolve inside it (default: the run directory, else the
+            common parent of ``adapters``).
+        target_modules: Linear layers to adapt.
+        max_loras: adapters loaded at once (LRU beyond).
+        engine: batch and length limits of the engine.
+        feddpa_routing: ``<client>`` targets use instance-wise weights from the run's embeddings
+            (``instance``; needs ``embeddings.npy``) or the run's fixed ``inference_weight``.
+        feddpa_samples: S, local instances compared per request.
+        feddpa_mode: ``random`` S (paper) or the S nearest (``knn``).
+        default_alpha: the fixed local weight when the run records none.
+        check_base: refuse adapters trained on another base model.
+    """
+
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    dtype: str | None = None
+    run_dir: Path | None = None
+    adapters: tuple[str, ...] = ()
+    adapter_root: Path | None = None
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    max_loras: int = 16
+    engine: EngineConfig = EngineConfig()
+    feddpa_routing: Literal["instance", "fixed"] = "instance"
+    feddpa_samples: int = 5
+    feddpa_mode: Literal["random", "knn"] = "random"
+    default_alpha: float = 0.5
+    check_base: bool = True
+
+    def __post_init__(self) -> None:
+        if self.feddpa_routing not in ("instance", "fixed"):
+            raise ValueError(f"feddpa_routing must be 'instance' or 'fixed', got {self.feddpa_routing!r}")
+        bad = [s for s in self.adapters if "=" not in s or not s.partition("=")[0] or not s.partition("=")[2]]
+        if bad:
+            raise ValueError(f"adapters must be given as name=folder, got {bad}")
+
+    @property
+    def base_name(self) -> str:
+        """The target name of the bare base model."""
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation to run through the stack.
+
+    Attributes:
+        target: a served target name (see the module docstring).
+        sampling: decoding parameters.
+        prompt: templated prompt text, or give ``prompt_ids``.
+        prompt_ids: prompt token ids (win over ``prompt``).
+        mixture: an explicit ``(adapter, weight)`` mixture overriding the target's weights.
+        exact_prefill: routed targets prefill a second time with the routed weights (exact FedDPA).
+        key: the caller's identity for this job (returned untouched with its outcome).
+    """
+
+    target: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    mixture: tuple[tuple[str, float], ...] | None = None
+    exact_prefill: bool = False
+    key: Any = None
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request in the engine and the plan it was served with."""
+
+    handle: RequestHandle
+    plan: TargetPlan
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished job: its result, or the error that kept it from running (resolution, validation)."""
+
+    job: Job
+    plan: TargetPlan | None
+    result: GenerationResult | None
+    error: Exception | None = None
+
+    def weights(self) -> dict[str, float]:
+        """The adapter weights the decode used, keyed by the plan's (pool) adapter names."""
+        if self.plan is None or self.result is None or not self.plan.names:
+            return {}
+        return dict(zip(self.plan.names, self.result.adapter_weights, strict=True))
+
+
+def request_for(plan: TargetPlan, adapter_names: Sequence[str], job: Job, request_id: str | None = None
+                ) -> GenerationRequest:
+    """The engine request serving ``plan`` for ``job`` (``adapter_names``: the lease's internal names)."""
+    extra: dict[str, Any] = {"request_id": request_id} if request_id is not None else {}
+    return GenerationRequest(
+        prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling, adapter_names=tuple(adapter_names),
+        adapter_weights=plan.weights, weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights,
+        exact_prefill=job.exact_prefill and plan.weight_fn is not None, **extra)
+
+
+@dataclass(eq=False)
+class ServingStack:
+    """The loaded model, its adapters and the engine; see :func:`build_stack`."""
+
+    config: StackConfig
+    loaded: LoadedModel
+    adapted: AdaptedModel
+    engine: Engine
+    pool: AdapterPool
+    resolver: TargetResolver
+    run_info: RunInfo | None = None
+    routing: str = "fixed"
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def base_name(self) -> str:
+        return self.resolver.base_name
+
+    def models(self) -> list[str]:
+        """Every served target name."""
+        return self.resolver.models()
+
+    def plan(self, target: str, mixture: Sequence[tuple[str, float]] | None = None) -> TargetPlan:
+        """Resolve ``target`` (raises ModelNotFound / InvalidRequest)."""
+        return self.resolver.resolve(target, list(mixture) if mixture else None)
+
+    def lease(self, plan: TargetPlan) -> Lease | None:
+        """Lease the plan's adapter versions (None for the base model)."""
+        return self.pool.acquire(plan.names) if plan.names else None
+
+    def submit(self, job: Job, request_id: str | None = None) -> Submitted:
+        """Resolve, lease and submit one job; the lease is released when the request finishes."""
+        plan = self.plan(job.target, job.mixture)
+        lease = self.lease(plan)
+        try:
+            handle = self.engine.submit(request_for(plan, lease.names if lease else (), job, request_id))
+        except Exception:
+            if lease is not None:
+                lease.release()
+            raise
+        if lease is not None:
+            handle.add_done_callback(lease.release)
+        return Submitted(handle, plan)
+
+    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]:
+        """Run ``jobs`` with continuous batching; yield each outcome as soon as it finishes.
+
+        Args:
+            jobs: consumed lazily, so a long stream never sits in the queue at once.
+            window: requests in flight at most (default: twice the batch size, at most ``max_waiting``).
+        """
+        cfg = self.engine.config
+        window = max(1, min(window or 2 * cfg.max_batch_size, cfg.max_waiting))
+        pending = iter(jobs)
+        inflight: list[tuple[Job, Submitted]] = []
+        exhausted = False
+        while True:
+            while not exhausted and len(inflight) < window:
+                job = next(pending, None)
+                if job is None:
+                    exhausted = True
+                    break
+                try:
+                    inflight.append((job, self.submit(job)))
+                except Exception as exc:  # noqa: BLE001 - reported per job; the others go on
+                    yield Outcome(job, None, None, exc)
+            if not inflight:
+                return
+            if self.engine.running:
+                inflight[0][1].handle.result()
+            else:
+                self.engine.step()
+            still: list[tuple[Job, Submitted]] = []
+            for job, sub in inflight:
+                if sub.handle.done:
+                    yield Outcome(job, sub.plan, sub.handle.result())
+                else:
+                    still.append((job, sub))
+            inflight = still
+
+
+def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded: LoadedModel | None = None
+                ) -> ServingStack:
+    """Load the base model, inject adapters, fill the pool and resolve targets (no thread started).
+
+    Args:
+        config: what to load.
+        router: a FedDPA weight router for ``<client>`` targets (default: instance-wise from the run's
+            embeddings when ``feddpa_routing`` is ``instance`` and they exist, else the fixed weight).
+        loaded: an already-loaded base model to use instead of loading ``config.model``.
+    """
+    loaded = loaded if loaded is not None else load_base_model(config.model, dtype=config.dtype)  # type: ignore[arg-type]
+    adapted = inject(loaded.model, config.target_modules)
+    engine = Engine(loaded, adapted, config.engine)
+    specs = [(name, Path(path)) for name, _, path in (spec.partition("=") for spec in config.adapters)]
+    root = config.adapter_root or config.run_dir
+    if root is None and specs:
+        # adapters named on the command line: confine runtime loads to their common folder
+        specs = [(name, path.resolve()) for name, path in specs]
+        root = Path(os.path.commonpath([str(path) for _, path in specs]))
+    pool = AdapterPool(adapted, root=root, max_loras=config.max_loras, model_lock=engine.model_lock,
+                       check_base=config.check_base)
+    run = pool.load_run(config.run_dir) if config.run_dir is not None else None
+    for name, path in specs:
+        pool.load(name, path)
+    alpha = run.inference_weight if run is not None and run.inference_weight is not None else config.default_alpha
+    routing = "custom" if router is not None else "fixed"
+    if router is None and run is not None and config.feddpa_routing == "instance" and _has_embeddings(run):
+        from serving.feddpa_router import InstanceWeightRouter
+
+        router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, S=config.feddpa_samples,
+                                              mode=config.feddpa_mode)
+        routing = "instance"
+    if run is not None and config.feddpa_routing == "instance" and routing == "fixed" and run.global_name:
+        logger.info("run %s has no embedding index: <client> targets use the fixed weight %.3f", run.root, alpha)
+    resolver = TargetResolver(config.base_name, pool, router, alpha)
+    info = {"alpha": alpha, "routing": routing, "feddpa_samples": config.feddpa_samples,
+            "feddpa_mode": config.feddpa_mode}
+    return ServingStack(config, loaded, adapted, engine, pool, resolver, run, routing, info)
+
+
+def _has_embeddings(run: RunInfo) -> bool:
+    return any(c.embeddings_npy is not None for c in run.clients.values())
