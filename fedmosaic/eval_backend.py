@@ -46,6 +46,7 @@ class StackBackend:
     def __init__(self, stack: ServingStack, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8) -> None:
         self.stack = stack
         self.base_name = stack.base_name
+        self.tokenizer = stack.loaded.tokenizer  # chat-template prompts, when the run trained with them
         self.max_new_tokens = max_new_tokens
         self.num_beams = num_beams
         self.batch_size = batch_size

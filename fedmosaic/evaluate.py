@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -148,7 +148,7 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         backend: the generation backend; defaults to the serving stack over the run's adapters
             (:func:`fedmosaic.eval_backend.open_backend`).
     """
-    from training.data import load_dataset, prompt_texts
+    from training.data import load_dataset
 
     run = RunDir(Path(run_dir))
     cfg = run.read_config()
@@ -164,7 +164,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     described = {t: backend.describe(t) for t in set(targets.values())}
     cache = PredictionCache(run.eval_dir / "predictions", limit=opts.limit)
     tests = {task: list(dataset.tests[task])[: opts.limit] for task in dataset.tasks}
-    prompts = {task: prompt_texts(records) for task, records in tests.items()}
+    render = _prompter(cfg, backend)
+    prompts = {task: render(records) for task, records in tests.items()}
     # Keys served by the same target (e.g. every FedIT client = the global model) share one set of
     # generations: the first such key is generated, the others reuse its predictions.
     canonical = {key: next(k for k, t in targets.items() if t == target) for key, target in targets.items()}
@@ -190,9 +191,25 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     if weights:
         summary["feddpa_weights"] = _weight_outputs(run, weights, {c: dataset.task_of(c) for c in clients})
     if opts.per_round:
-        summary["per_round"] = _per_round(run, dataset, opts, backend, cache)
+        summary["per_round"] = _per_round(run, dataset, opts, backend, cache, render)
     (run.eval_dir / "results.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _prompter(cfg: dict, backend: EvalBackend) -> Callable[[Sequence[Any]], list[str]]:
+    """Records -> prompts in the template the run trained with (run.json ``train.prompt_style``).
+
+    The FedDPA embedding index was built from training prompts in that template too, so instance-wise
+    weights compare like with like.
+    """
+    from training.data import PromptConfig, prompt_texts
+
+    style = str((cfg.get("train") or {}).get("prompt_style", "alpaca_short"))
+    tokenizer = getattr(backend, "tokenizer", None)
+    if style == "chat" and tokenizer is None:
+        raise ValueError("this run trained with chat prompts; the evaluation backend must expose its tokenizer")
+    config = PromptConfig(style)  # type: ignore[arg-type]
+    return lambda records: prompt_texts(records, tokenizer, config)
 
 
 def _generate_into(cache: PredictionCache, backend: EvalBackend, items: Sequence[EvalItem], desc: str) -> None:
@@ -241,9 +258,8 @@ def _write_outputs(run: RunDir, cfg: dict, dataset, clients, grid, opts: EvalOpt
     }
 
 
-def _per_round(run: RunDir, dataset, opts: EvalOptions, backend: EvalBackend, cache: PredictionCache) -> dict:  # noqa: ANN001
-    from training.data import prompt_texts
-
+def _per_round(run: RunDir, dataset, opts: EvalOptions, backend: EvalBackend, cache: PredictionCache,  # noqa: ANN001
+               render: Callable[[Sequence[Any]], list[str]]) -> dict:
     series: dict[int, float] = {}
     for r in run.rounds():
         folder = run.round_dir(r) / "global"
@@ -254,7 +270,7 @@ def _per_round(run: RunDir, dataset, opts: EvalOptions, backend: EvalBackend, ca
         try:
             tag = tag_of(backend.describe(name))
             tests = {task: list(dataset.tests[task])[: opts.limit] for task in dataset.tasks}
-            prompts = {task: prompt_texts(records) for task, records in tests.items()}
+            prompts = {task: render(records) for task, records in tests.items()}
             items = [EvalItem(name, "global", task, i, name, prompts[task][i], tests[task][i].output, tag)
                      for task in dataset.tasks for i in cache.missing(name, "global", task, prompts[task], tag)]
             _generate_into(cache, backend, items, name)

@@ -53,7 +53,7 @@ def add_quickstart_arguments(sub: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--method", default="feddpa-t", help="training method (FedDPA-T: global + local per client)")
     p.add_argument("--out", default=None, help="run directory (default: runs/quickstart, runs/quickstart-<data>)")
     p.add_argument("--rounds", type=int, default=3, help="federated rounds (FedDPA-T: local adapters from round 2)")
-    p.add_argument("--max-steps", type=int, default=8, help="optimizer steps per client, round and adapter")
+    p.add_argument("--max-steps", type=int, default=6, help="optimizer steps per client, round and adapter")
     p.add_argument("--preset", default="small", help="training preset the budget overrides (see fedmosaic train)")
     # measured on the generated suite: 20 steps at 2e-3 take a local adapter from 0% to 60-100% exact match on most
     # families, the small preset's 5e-4 barely moves it in a quick-start budget

@@ -159,6 +159,9 @@ class Method:
         inference_option: the option whose value overrides ``inference_weight`` (FedDPA's alpha).
         export: writes the final model in a method-specific layout ``(run, runtime, state, strategy)``
             instead of the global/local PEFT folders (FedAMoLE's experts and assignments).
+        instance_weighting: the personalised model mixes (global, local) with FedDPA's instance-wise
+            weight (paper 000 section 4.3), so training ends by saving each client's local-instance
+            embeddings for the router; other methods' clients answer with their local adapter alone.
     """
 
     name: str
@@ -170,6 +173,7 @@ class Method:
     centralized: bool = False
     inference_option: str | None = None
     export: Any = None
+    instance_weighting: bool = False
 
     def mixture_weight(self, options: Mapping[str, Any]) -> float | None:
         """The local adapter's inference weight under ``options``."""

@@ -236,7 +236,7 @@ def _finish(run: RunDir, m, dataset, rt, client_alg, state, private, sim, train,
     for cid, named in private.items():
         if "local" in named:
             write_adapter_folder(run.local_adapter(cid), train.lora, named["local"], rt.adapted.base_model_name)
-    if sim.embed and state and m.has_local:
+    if sim.embed and state and m.instance_weighting:
         for c in tqdm(dataset.clients, desc="embeddings", unit="client", leave=False):
             # the prompts exactly as training formatted them, so serving's request embedding matches
             prompts = prompt_texts(c.train, rt.tokenizer, PromptConfig(train.prompt_style))  # type: ignore[arg-type]

@@ -22,18 +22,20 @@ from fedmosaic.evaluate import EvalItem, EvalOptions, evaluate_run, served_targe
 from fedmosaic.tiny import save_tiny_llama, tiny_llama
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
+from serving.errors import InvalidRequest
 from serving.generation import GenerationConfig, generate_target
 from training.evaluation.predictions import Prediction
 
 DATA = {"n_train": 4, "n_test": 3, "families": ["sorting", "capitals"]}
 
 
-def build_run(root: Path, method: str = "FedDPA-T", embeddings: bool = False) -> RunDir:
+def build_run(root: Path, method: str = "FedDPA-T", embeddings: bool = False, style: str = "alpaca_short") -> RunDir:
     model_dir = save_tiny_llama(root / "model")
     run = RunDir(root / "run")
     run.root.mkdir(parents=True)
     run.run_json.write_text(json.dumps({"method": method, "data": "generated", "data_options": DATA,
-                                        "model": str(model_dir), "inference_weight": 0.5}))
+                                        "model": str(model_dir), "inference_weight": 0.5,
+                                        "train": {"prompt_style": style}}))
     adapted = inject(tiny_llama().model)
     gen = torch.Generator().manual_seed(0)
     for name, folder in (("g", run.global_adapter), ("l0", run.local_adapter("sorting")),
@@ -126,7 +128,7 @@ def test_engine_path_equals_hf_generate_path(tmp_path: Path) -> None:
 
 
 def test_feddpa_weights_recorded_and_plotted_or_fixed_on_request(tmp_path: Path) -> None:
-    run = build_run(tmp_path, embeddings=True)
+    run = build_run(tmp_path, embeddings=True, style="chat")  # prompts in the template the run trained with
     opts = EvalOptions(limit=2, max_new_tokens=2, batch_size=4, dtype="float32", feddpa_samples=3)
     summary = evaluate_run(run.root, opts)
     target = summary["targets"]["sorting"]
@@ -138,7 +140,8 @@ def test_feddpa_weights_recorded_and_plotted_or_fixed_on_request(tmp_path: Path)
     assert (run.eval_dir / "feddpa_weights.png").read_bytes()[:4] == b"\x89PNG"
     rows = run.eval_dir / "predictions" / "final" / "capitals" / "sorting.jsonl"
     row = json.loads(rows.read_text().splitlines()[0])
-    assert row["weights"]["capitals:local"] == pytest.approx(row["route"]["a"])
+    assert row["prompt"].startswith("<|im_start|>user") and row["weights"]["capitals:local"] == pytest.approx(
+        row["route"]["a"])
     assert row["route"]["S_requested"] == 3 and row["route"]["S"] == 1  # capitals stored one instance
     assert sum(row["weights"].values()) == pytest.approx(1.0)
     fixed = evaluate_run(run.root, EvalOptions(limit=2, max_new_tokens=2, dtype="float32", feddpa_weights="fixed"))
@@ -160,3 +163,24 @@ def test_beam_search_and_option_errors(tmp_path: Path) -> None:
         open_backend(bare, bare.read_config(), weighting="instance")
     with pytest.raises(ValueError, match="feddpa_weights"):
         EvalOptions(feddpa_weights="sometimes")
+
+
+def test_amole_run_is_evaluated_through_the_same_targets(tmp_path: Path) -> None:
+    from adapters.amole_io import save_amole
+    from adapters.amole_layer import add_amole_experts
+
+    model_dir = save_tiny_llama(tmp_path / "model")
+    run = RunDir(tmp_path / "run")
+    adapted = inject(tiny_llama().model)
+    add_amole_experts(adapted, 4, LoraConfig(r=4, alpha=8.0, dropout=0.0), seed=0)
+    assignments = {"sorting": {p: [0, 1] for p in adapted.layers}, "capitals": {p: [2, 3] for p in adapted.layers}}
+    save_amole(adapted, run.amole, 4, assignments, top_k=1)
+    run.run_json.write_text(json.dumps({"method": "fedamole", "data": "generated", "data_options": DATA,
+                                        "model": str(model_dir)}))
+    summary = evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, dtype="float32"))
+    assert summary["targets"]["sorting"]["mode"] == "amole" and set(summary["scores"]) == {"sorting", "capitals",
+                                                                                           "base"}
+    row = json.loads((run.eval_dir / "predictions" / "final" / "capitals" / "sorting.jsonl").read_text())
+    assert "expert_usage" in row["route"]  # the engine's per-token routing report is kept with the answer
+    with pytest.raises(InvalidRequest, match="beam search"):
+        evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, num_beams=2, dtype="float32"))

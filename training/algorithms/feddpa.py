@@ -48,9 +48,10 @@ def _strategy(o: Mapping[str, Any]) -> Strategy:
 
 FEDDPA_T = Method(
     name="feddpa-t", strategy=_strategy, client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5))),
-    has_local=True, inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal"}, inference_option="alpha",
+    has_local=True, instance_weighting=True,
+    inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal"}, inference_option="alpha",
 )
 FEDDPA_F = Method(
-    name="feddpa-f", strategy=_strategy, client=lambda o: FineTuneClient(), has_local=True,
+    name="feddpa-f", strategy=_strategy, client=lambda o: FineTuneClient(), has_local=True, instance_weighting=True,
     inference_weight=1.0, defaults={"lambda": 1.0, "weighting": "equal"}, inference_option="lambda",
 )
