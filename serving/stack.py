@@ -236,14 +236,17 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
     adapted = inject(loaded.model, config.target_modules)
     engine = Engine(loaded, adapted, config.engine)
     specs = [(name, Path(path)) for name, _, path in (spec.partition("=") for spec in config.adapters)]
-    root = config.adapter_root or config.run_dir
+    # absolute paths: the pool resolves relative names against its root, so a relative run dir that is also
+    # the root would be looked up inside itself
+    run_dir = Path(config.run_dir).resolve() if config.run_dir is not None else None
+    root = Path(config.adapter_root).resolve() if config.adapter_root else run_dir
     if root is None and specs:
         # adapters named on the command line: confine runtime loads to their common folder
         specs = [(name, path.resolve()) for name, path in specs]
         root = Path(os.path.commonpath([str(path) for _, path in specs]))
     pool = AdapterPool(adapted, root=root, max_loras=config.max_loras, model_lock=engine.model_lock,
                        check_base=config.check_base)
-    run = pool.load_run(config.run_dir) if config.run_dir is not None else None
+    run = pool.load_run(run_dir) if run_dir is not None else None
     for name, path in specs:
         pool.load(name, path)
     alpha = run.inference_weight if run is not None and run.inference_weight is not None else config.default_alpha

@@ -170,3 +170,12 @@ def test_batch_cli(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
     assert [r["response"]["status_code"] for r in read(out)] == [200, 200]
     with pytest.raises(SystemExit, match="needs the vllm package"):
         main(["batch", "-i", str(src), "-o", str(out), "--model", "tiny", "--backend", "vllm"])
+
+
+def test_a_relative_run_directory_loads_from_the_working_directory(run_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fedmosaic eval runs/x` / `fedmosaic serve runs/x`: the run dir is also the pool's root, and a relative
+    # name must not be looked up inside itself (runs/x/runs/x)
+    monkeypatch.chdir(run_dir.parent)
+    relative = build_stack(StackConfig(model="tiny", run_dir=Path(run_dir.name), feddpa_routing="fixed"))
+    assert {"global", "0:local", "1:local"} <= set(relative.pool.names())
