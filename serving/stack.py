@@ -94,7 +94,10 @@ class Job:
         prompt: templated prompt text, or give ``prompt_ids``.
         prompt_ids: prompt token ids (win over ``prompt``).
         mixture: an explicit ``(adapter, weight)`` mixture overriding the target's weights.
-        exact_prefill: routed targets prefill a second time with the routed weights (exact FedDPA).
+        exact_prefill: routed targets prefill a second time with the routed weights, so the prompt's KV cache
+            and the first token use the mixture as in paper 000 section 4.3 (default; about one extra prefill,
+            ``bench/serve_routing.py``). False keeps the global-only prefill (faster first token, but the
+            first token then comes from the global adapter and can derail a short answer).
         key: the caller's identity for this job (returned untouched with its outcome).
     """
 
@@ -103,7 +106,7 @@ class Job:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     mixture: tuple[tuple[str, float], ...] | None = None
-    exact_prefill: bool = False
+    exact_prefill: bool = True
     key: Any = None
 
 
