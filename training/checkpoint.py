@@ -14,6 +14,12 @@ escaped as in a JSON pointer (RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``) and jo
 ``history/3`` or ``learners/0.stack.mixers.0.A_log``. A state without tensors is written exactly as
 before (``json.dumps`` of the dict, no ``strategy.safetensors``). A round also counts as complete only
 if every tensor its ``strategy.json`` refers to is readable from a fully written ``strategy.safetensors``.
+
+Strategy tensors can be large (pFedSeq keeps L rounds of every client's update and its learners: about
+160 MB per round at SmolLM2's adapter size), while a resume needs only the last complete round's.
+:func:`prune_strategy_state` deletes the ``strategy.safetensors`` of older rounds once a newer round is
+complete and leaves a ``STRATEGY_PRUNED`` marker, so such a round says why it is no longer a resume point;
+its adapters, client states and ``strategy.json`` stay for evaluation and analysis.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from adapters.rundir import RunDir, check_client_id
 from training.protocol import StateDict
 
 COMPLETE = "COMPLETE"
+PRUNED = "STRATEGY_PRUNED"
 STRATEGY_JSON = "strategy.json"
 STRATEGY_TENSORS = "strategy.safetensors"
 TENSOR_REF = "__tensor__"
@@ -175,6 +182,8 @@ def _problem(folder: Path) -> str | None:
     """Why ``folder`` is not a complete checkpoint, or None when it is."""
     if not (folder / COMPLETE).is_file():
         return f"no {COMPLETE} marker"
+    if (folder / PRUNED).is_file():
+        return f"its {STRATEGY_TENSORS} was pruned once a later round was complete (keep_strategy)"
     try:
         refs = _refs(json.loads((folder / STRATEGY_JSON).read_text()))
     except (OSError, ValueError) as exc:
@@ -192,6 +201,33 @@ def _problem(folder: Path) -> str | None:
 def last_complete(run: RunDir) -> int | None:
     """The last round with a complete checkpoint, or None."""
     return next((r for r in reversed(run.rounds()) if _problem(run.round_dir(r)) is None), None)
+
+
+def prune_strategy_state(run: RunDir, keep: int) -> list[int]:
+    """Delete the strategy tensors of all complete rounds but the last ``keep`` (0 keeps everything).
+
+    Only rounds older than the newest complete round are touched, so a resume point always remains.
+
+    Args:
+        run: the run directory.
+        keep: how many of the newest complete rounds keep their ``strategy.safetensors``.
+
+    Returns:
+        The rounds pruned by this call.
+    """
+    if keep < 0:
+        raise ValueError(f"keep_strategy must be >= 0, got {keep}")
+    if keep == 0:
+        return []
+    complete = [r for r in run.rounds() if _problem(run.round_dir(r)) is None]
+    pruned = []
+    for r in complete[:-keep]:
+        folder = run.round_dir(r)
+        if (folder / STRATEGY_TENSORS).is_file():
+            _write_text(folder / PRUNED, "strategy tensors deleted; a later round is the resume point\n")
+            (folder / STRATEGY_TENSORS).unlink()
+            pruned.append(r)
+    return pruned
 
 
 def load_round(run: RunDir, round_idx: int) -> tuple[StateDict, dict[str, Any], dict[str, dict[str, StateDict]]]:

@@ -34,6 +34,8 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--clients-per-task", type=int, default=1, help="split each task into k clients")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last round")
     p.add_argument("--timeout", type=float, default=None, help="soft per-client time limit in seconds")
+    p.add_argument("--keep-strategy", type=int, default=1,
+                   help="newest complete rounds that keep the strategy's resume tensors (0: every round)")
     p.add_argument("--dtype", choices=settings.DTYPES, default=None)
     for name, kind in (("lr", float), ("batch-size", int), ("micro-batch-size", int), ("local-epochs", int),
                        ("max-steps", int), ("cutoff-len", int)):
@@ -73,7 +75,7 @@ def run_train(args: argparse.Namespace) -> int:
     train = preset(args.preset, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                    local_epochs=args.local_epochs, max_steps=args.max_steps, cutoff_len=args.cutoff_len)
     sim = SimConfig(rounds=args.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
-                    client_timeout_s=args.timeout)
+                    client_timeout_s=args.timeout, keep_strategy=args.keep_strategy)
     summary = run_federated(args.method, dataset, loaded, args.out, sim, train, options, resume=args.resume,
                             data_spec=args.data, data_options=data_options,
                             model_name=args.model)

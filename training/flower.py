@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
 from training.algorithms import get_method
-from training.checkpoint import save_round
+from training.checkpoint import prune_strategy_state, save_round
 from training.flower_messages import (
     FINALIZE,
     exchange,
@@ -75,6 +75,7 @@ class FlowerConfig:
         client_dir: where nodes mirror their private state (default ``<out>/flower-clients``).
         timeout: seconds the server waits for the replies of one exchange.
         fraction: share of clients per round, drawn as the simulator draws them.
+        keep_strategy: newest complete rounds that keep their strategy tensors (0: every round).
     """
 
     method: str = "feddpa-t"
@@ -89,6 +90,7 @@ class FlowerConfig:
     client_dir: str = ""
     timeout: float = 3600.0
     fraction: float = 1.0
+    keep_strategy: int = 1
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FlowerConfig:
@@ -240,6 +242,7 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
         up, down, failures_all = up + round_up, down + round_down, failures_all + [(r, c, e) for c, e in failures]
         save_round(run, r, state, strategy.state_dict(), {}, rt.train.lora, rt.adapted.base_model_name,
                    peft_global=m.export is None)
+        prune_strategy_state(run, cfg.keep_strategy)
         _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures),
                    "loss": losses[-1], "bytes_up": round_up, "bytes_down": round_down,
                    "seconds": round(time.perf_counter() - began, 3), **server_metrics})

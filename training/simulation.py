@@ -28,7 +28,7 @@ from fedmosaic.models import LoadedModel
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 from training.algorithms import get_method
-from training.checkpoint import last_complete, load_round, save_round
+from training.checkpoint import last_complete, load_round, prune_strategy_state, save_round
 from training.data import ClientData, FederatedDataset, PromptConfig, prompt_texts, sample_clients
 from training.protocol import ClientContext, FitRes, StateDict, derive_seed, state_bytes
 from training.runtime import Runtime, TrainConfig
@@ -52,6 +52,7 @@ class SimConfig:
         client_timeout_s: soft per-client time limit (None: none).
         failures: (round, client) pairs that fail on purpose (failure drills, tests).
         embed: save each client's local-instance embeddings at the end.
+        keep_strategy: complete rounds that keep their strategy tensors (the resume state; 0: all rounds).
     """
 
     rounds: int = 20
@@ -61,12 +62,15 @@ class SimConfig:
     client_timeout_s: float | None = None
     failures: frozenset[tuple[int, str]] = field(default_factory=frozenset)
     embed: bool = True
+    keep_strategy: int = 1
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.keep_strategy < 0:
+            raise ValueError(f"keep_strategy must be >= 0 (0 keeps every round), got {self.keep_strategy}")
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,7 @@ def _run_locked(
         failures_all += [(r, c, e) for c, e in failures]
         save_round(run, r, state, strategy.state_dict(), private, train.lora, rt.adapted.base_model_name,
                    peft_global=m.export is None)
+        prune_strategy_state(run, sim.keep_strategy)
         _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures), "loss": mean_loss,
                    "bytes_up": round_up, "bytes_down": round_down,
                    "seconds": round(time.perf_counter() - round_began, 3), **server_metrics})

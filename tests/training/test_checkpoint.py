@@ -14,7 +14,15 @@ from safetensors.torch import load_file
 import training.checkpoint as ckpt
 from adapters import LoraConfig
 from adapters.rundir import RunDir
-from training.checkpoint import COMPLETE, join_tensors, last_complete, load_round, save_round, split_tensors
+from training.checkpoint import (
+    COMPLETE,
+    join_tensors,
+    last_complete,
+    load_round,
+    prune_strategy_state,
+    save_round,
+    split_tensors,
+)
 
 SERVER = {"layers.0.lora_A": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
 
@@ -147,3 +155,21 @@ def test_a_crash_while_writing_strategy_tensors_leaves_no_complete_round(tmp_pat
     monkeypatch.setattr(ckpt, "save_file", real)
     _save(run, 1, {"k": torch.ones(3)})  # a retry replaces the failed attempt
     assert last_complete(run) == 1 and torch.equal(load_round(run, 1)[1]["k"], torch.ones(3))
+
+
+def test_pruning_keeps_the_strategy_tensors_of_the_newest_complete_rounds_only(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    for r in range(4):
+        _save(run, r, {"k": torch.full((3,), float(r))}, {"c": {"local": SERVER}})
+    (run.round_dir(3) / COMPLETE).unlink()  # an interrupted round never counts as one of the newest
+    assert prune_strategy_state(run, 0) == [] and prune_strategy_state(run, 2) == [0]
+    assert prune_strategy_state(run, 2) == []  # idempotent
+    assert last_complete(run) == 2 and torch.equal(load_round(run, 1)[1]["k"], torch.ones(3))
+    with pytest.raises(FileNotFoundError, match="round 0 .*pruned"):
+        load_round(run, 0)
+    kept = run.round_dir(0)  # what evaluation and analysis read stays
+    assert (kept / "server.safetensors").is_file() and (kept / "clients" / "c" / "local.safetensors").is_file()
+    assert json.loads((kept / "strategy.json").read_text()) == {"k": {"__tensor__": "k"}}
+    assert prune_strategy_state(run, 1) == [1] and last_complete(run) == 2
+    with pytest.raises(ValueError, match="keep_strategy must be >= 0"):
+        prune_strategy_state(run, -1)

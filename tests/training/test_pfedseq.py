@@ -327,7 +327,10 @@ def test_three_rounds_on_the_tiny_model_and_resume_equals_a_straight_run(tmp_pat
     assert straight.read_config()["inference_weight"] == 1.0 and get_method("pfedseq").has_local
     locals_ = {c: _adapter(straight.local_adapter(c)) for c in ("sorting", "capitals")}
     assert any(not torch.equal(locals_["sorting"][k], locals_["capitals"][k]) for k in locals_["sorting"])
-    _run(tmp_path / "cut", 2)
+    cut = _run(tmp_path / "cut", 2)
+    assert (cut.round_dir(0) / "STRATEGY_PRUNED").is_file()  # only the newest round keeps the resume tensors
+    assert not (cut.round_dir(0) / "strategy.safetensors").exists()
+    assert (cut.round_dir(1) / "strategy.safetensors").is_file()
     resumed = _run(tmp_path / "cut", 3, resume=True)
     a, b = _adapter(straight.global_adapter), _adapter(resumed.global_adapter)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
