@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,33 +77,111 @@ def read_amole_meta(folder: str | Path) -> dict[str, object]:
     return json.loads(path.read_text())
 
 
-def load_amole(adapted: AdaptedModel, folder: str | Path) -> tuple[dict[str, dict[str, tuple[int, ...]]], int]:
-    """Create the experts of ``folder`` in ``adapted`` and load them; return (assignments, top_k)."""
+@dataclass(frozen=True)
+class AMoLEFolder:
+    """The validated contents of an AMoLE folder, before any of it enters a model.
+
+    Attributes:
+        folder: where it was read from.
+        config: the experts' LoRA config.
+        num_experts: domain experts per module.
+        top_k: experts gated per token.
+        shared: whether a shared expert exists.
+        base_model: the base model the run trained on (None when unrecorded).
+        layers: the model's layer paths the experts target.
+        state: every tensor of ``amole_model.safetensors`` by file key.
+        assignments: client -> layer path -> expert ids.
+    """
+
+    folder: Path
+    config: LoraConfig
+    num_experts: int
+    top_k: int
+    shared: bool
+    base_model: str | None
+    layers: tuple[str, ...]
+    state: dict[str, torch.Tensor]
+    assignments: dict[str, dict[str, tuple[int, ...]]]
+
+    @property
+    def names(self) -> list[str]:
+        """Expert adapter names: the domain experts, then the shared one."""
+        return [expert_name(j) for j in range(self.num_experts)] + ([SHARED] if self.shared else [])
+
+    def expert_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Expert ``name``'s ``{"<path>.lora_A" | "<path>.lora_B": tensor}`` over every target layer."""
+        out = {}
+        for path in self.layers:
+            for which in ("lora_A", "lora_B"):
+                key = f"{PREFIX}{path}.{which}.{name}.weight"
+                if key not in self.state:
+                    raise AdapterError(f"{self.folder / WEIGHTS} lacks {key}")
+                out[f"{path}.{which}"] = self.state[key]
+        return out
+
+    def token_proj(self, path: str, in_features: int) -> torch.Tensor:
+        """The token projection P (r, d) of layer ``path``, checked against the layer's input width."""
+        P = self.state.get(f"{PREFIX}{path}.token_proj.weight")
+        if P is None or P.shape != (self.config.r, in_features):
+            raise AdapterError(f"{self.folder / WEIGHTS}: token projection of {path} is missing or misshapen")
+        return P
+
+
+def read_amole(adapted: AdaptedModel, folder: str | Path) -> AMoLEFolder:
+    """Read and validate an AMoLE folder against ``adapted`` (nothing is added to the model).
+
+    Raises:
+        AdapterError: a file is missing or unreadable, the experts target layers ``adapted`` lacks, or a
+            client's assignment does not cover exactly those layers, is empty somewhere, or names an
+            expert outside ``0..num_experts-1``.
+    """
     folder = Path(folder)
     meta = read_amole_meta(folder)
-    config = LoraConfig.from_peft_dict(meta["lora"])  # type: ignore[arg-type]
-    num_experts = int(meta["num_experts"])  # type: ignore[arg-type]
-    state = load_file(str(folder / WEIGHTS))
-    present = [n for n in adapted.configs if n.startswith("expert_")]
-    if present:
-        raise AdapterError(f"this model already holds AMoLE experts ({len(present)}); use a fresh injection")
-    add_amole_experts(adapted, num_experts, config, shared=bool(meta["shared_expert"]))
-    names = [expert_name(j) for j in range(num_experts)] + ([SHARED] if meta["shared_expert"] else [])
-    for name in names:
-        sub = {}
-        for key in adapted.adapter_state(name):
-            path, _, which = key.rpartition(".")
-            file_key = f"{PREFIX}{path}.{which}.{name}.weight"
-            if file_key not in state:
-                raise AdapterError(f"{folder / WEIGHTS} lacks {file_key}")
-            sub[key] = state[file_key]
-        adapted.load_adapter_state(name, sub)
-    proj = {k[len(PREFIX):-len(".weight")]: v for k, v in state.items() if k.endswith(".token_proj.weight")}
+    try:
+        config = LoraConfig.from_peft_dict(meta["lora"])  # type: ignore[arg-type]
+        num_experts, top_k = int(meta["num_experts"]), int(meta["top_k"])  # type: ignore[arg-type]
+        shared = bool(meta["shared_expert"])
+        raw = json.loads((folder / ASSIGNMENTS).read_text())
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        raise AdapterError(f"{folder} is not a complete AMoLE folder: {exc}") from exc
+    if not (folder / WEIGHTS).is_file():
+        raise AdapterError(f"{folder} lacks {WEIGHTS}")
+    base = meta["lora"].get("base_model_name_or_path")  # type: ignore[union-attr]
+    layers = adapted.target_layers(config)
+    return AMoLEFolder(folder, config, num_experts, top_k, shared, base or None, tuple(layers),
+                       load_file(str(folder / WEIGHTS)), _check_assignments(raw, num_experts, set(layers), folder))
+
+
+def _check_assignments(raw: object, num_experts: int, layers: set[str],
+                       folder: Path) -> dict[str, dict[str, tuple[int, ...]]]:
+    if not isinstance(raw, dict) or not raw:
+        raise AdapterError(f"{folder / ASSIGNMENTS} must map at least one client to its experts")
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for client, per_layer in raw.items():
+        if not isinstance(per_layer, dict) or set(per_layer) != layers:
+            raise AdapterError(f"{folder / ASSIGNMENTS}: client {client!r} must assign experts in all "
+                               f"{len(layers)} AMoLE layers")
+        ids = {p: tuple(int(j) for j in v) for p, v in per_layer.items()}
+        if any(not v or not all(0 <= j < num_experts for j in v) for v in ids.values()):
+            raise AdapterError(f"{folder / ASSIGNMENTS}: client {client!r} has an empty assignment or an "
+                               f"expert id outside 0..{num_experts - 1}")
+        out[str(client)] = ids
+    return out
+
+
+def load_amole(adapted: AdaptedModel, folder: str | Path) -> tuple[dict[str, dict[str, tuple[int, ...]]], int]:
+    """Create the experts of ``folder`` in ``adapted``'s AMoLE layers and load them; return (assignments, top_k).
+
+    The training-side loader (experts and token projections inside the layers); serving keeps several
+    versions side by side instead (:mod:`serving.amole_router`).
+    """
+    if any(n.startswith("expert_") for n in adapted.configs):
+        raise AdapterError("this model already holds AMoLE experts; use a fresh injection")
+    data = read_amole(adapted, folder)
+    experts = {name: data.expert_state(name) for name in data.names}  # every check before the model changes
+    proj = {f"{p}.token_proj": data.token_proj(p, adapted.layers[p].in_features) for p in data.layers}
+    add_amole_experts(adapted, data.num_experts, data.config, shared=data.shared)
+    for name, state in experts.items():
+        adapted.load_adapter_state(name, state)
     load_token_proj_state(adapted, proj)
-    raw = json.loads((folder / ASSIGNMENTS).read_text())
-    assignments = {c: {p: tuple(ids) for p, ids in a.items()} for c, a in raw.items()}
-    for client, a in assignments.items():
-        bad = [j for ids in a.values() for j in ids if not 0 <= j < num_experts]
-        if bad or set(a) - set(adapted.layers):
-            raise AdapterError(f"{folder / ASSIGNMENTS}: client {client!r} names unknown experts or layers")
-    return assignments, int(meta["top_k"])  # type: ignore[arg-type]
+    return data.assignments, data.top_k

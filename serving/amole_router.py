@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from adapters import AdaptedModel, AdapterError, LoraConfig
-from adapters.amole_io import ASSIGNMENTS, CONFIG, PREFIX, WEIGHTS, read_amole_meta
+from adapters import AdaptedModel, AdapterError
+from adapters.amole_io import ASSIGNMENTS, CONFIG, read_amole
 from adapters.amole_layer import SHARED, expert_name
 from adapters.context import AdapterContext, AMoLEExperts, AMoLERouting, ExpertRecorder
 from adapters.rundir import check_client_id
@@ -115,67 +114,29 @@ def load_bundle(adapted: AdaptedModel, folder: Path, name: str, internal: str, c
         AdapterError: the folder is incomplete, targets layers this model lacks, was trained on
             another base model (with ``check_base``), or names unknown experts or layers.
     """
-    meta = read_amole_meta(folder)
-    try:
-        config = LoraConfig.from_peft_dict(meta["lora"])  # type: ignore[arg-type]
-        num_experts, top_k = int(meta["num_experts"]), int(meta["top_k"])  # type: ignore[arg-type]
-        shared = bool(meta["shared_expert"])
-        raw = json.loads((folder / ASSIGNMENTS).read_text())
-    except (KeyError, TypeError, ValueError, OSError) as exc:
-        raise AdapterError(f"{folder} is not a complete AMoLE folder: {exc}") from exc
-    base, ours = meta["lora"].get("base_model_name_or_path"), adapted.base_model_name  # type: ignore[union-attr]
-    if check_base and base and ours and base != ours:
-        raise AdapterError(f"{folder} was trained on {base!r}, this server runs {ours!r}")
-    if not (folder / WEIGHTS).is_file():
-        raise AdapterError(f"{folder} lacks {WEIGHTS}")
-    state = load_file(str(folder / WEIGHTS))
-    layers = adapted.target_layers(config)
+    data = read_amole(adapted, folder)
+    ours = adapted.base_model_name
+    if check_base and data.base_model and ours and data.base_model != ours:
+        raise AdapterError(f"{folder} was trained on {data.base_model!r}, this server runs {ours!r}")
     prefix = f"{internal}/"
-    names = [expert_name(j) for j in range(num_experts)] + ([SHARED] if shared else [])
     added: list[str] = []
     try:
-        for short in names:
-            adapted.add_adapter(prefix + short, config)
+        for short in data.names:
+            adapted.add_adapter(prefix + short, data.config)
             added.append(prefix + short)
-            sub = {}
-            for path in layers:
-                for which in ("lora_A", "lora_B"):
-                    key = f"{PREFIX}{path}.{which}.{short}.weight"
-                    if key not in state:
-                        raise AdapterError(f"{folder / WEIGHTS} lacks {key}")
-                    sub[f"{path}.{which}"] = state[key]
-            adapted.load_adapter_state(prefix + short, sub)
-        proj = {}
-        for path, layer in layers.items():
-            P = state.get(f"{PREFIX}{path}.token_proj.weight")
-            if P is None or P.shape != (config.r, layer.in_features):
-                raise AdapterError(f"{folder / WEIGHTS}: token projection of {path} is missing or misshapen")
+            adapted.load_adapter_state(prefix + short, data.expert_state(short))
+        proj = {}  # layer path -> P (r, d), fp32 on the layer's device
+        for path in data.layers:
+            layer = adapted.layers[path]
+            P = data.token_proj(path, layer.in_features)
             proj[path] = P.to(device=layer.base_layer.weight.device, dtype=torch.float32)
-        assignments = _check_assignments(raw, num_experts, set(layers), folder)
     except Exception:
         for n in added:
             adapted.delete_adapter(n)
         raise
-    experts = AMoLEExperts(prefix=prefix, token_proj=proj, top_k=top_k, shared=shared)
-    return AMoLEBundle(name=name, internal=internal, path=folder, num_experts=num_experts, experts=experts,
-                       layers=tuple(layers), assignments=assignments)
-
-
-def _check_assignments(raw: object, num_experts: int, layers: set[str],
-                       folder: Path) -> dict[str, Mapping[str, tuple[int, ...]]]:
-    if not isinstance(raw, dict) or not raw:
-        raise AdapterError(f"{folder / ASSIGNMENTS} must map at least one client to its experts")
-    out: dict[str, Mapping[str, tuple[int, ...]]] = {}
-    for client, per_layer in raw.items():
-        if not isinstance(per_layer, dict) or set(per_layer) != layers:
-            raise AdapterError(f"{folder / ASSIGNMENTS}: client {client!r} must assign experts in all "
-                               f"{len(layers)} AMoLE layers")
-        ids = {p: tuple(int(j) for j in v) for p, v in per_layer.items()}
-        if any(not v or not all(0 <= j < num_experts for j in v) for v in ids.values()):
-            raise AdapterError(f"{folder / ASSIGNMENTS}: client {client!r} has an empty assignment or an "
-                               f"expert id outside 0..{num_experts - 1}")
-        out[str(client)] = ids
-    return out
+    experts = AMoLEExperts(prefix=prefix, token_proj=proj, top_k=data.top_k, shared=data.shared)
+    return AMoLEBundle(name=name, internal=internal, path=folder, num_experts=data.num_experts, experts=experts,
+                       layers=data.layers, assignments=data.assignments)
 
 
 def unload_bundle(adapted: AdaptedModel, bundle: AMoLEBundle) -> None:

@@ -182,3 +182,43 @@ def test_expert_sources_select_a_prefixed_copy(amole) -> None:  # noqa: ANN001
     torch.testing.assert_close(got, want)
     with pytest.raises(AdapterError, match="one source per group"):
         AMoLERouting(groups=(a, a), row_group=torch.tensor([0, 1]), experts=(source,))
+
+
+@pytest.mark.parametrize("damage", ["no_weights", "missing_layer", "bad_id", "empty", "no_expert", "bad_proj"])
+def test_a_damaged_amole_folder_is_refused_by_name_before_the_model_changes(amole, tmp_path, damage: str) -> None:  # noqa: ANN001
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from adapters.amole_io import load_amole, read_amole, save_amole
+    from fedmosaic.tiny import tiny_llama
+
+    folder = save_amole(amole, tmp_path / "am", num_experts=5, assignments={"c0": assignment(amole, (0, 2))})
+    raw = json.loads((folder / "assignments.json").read_text())
+    first = next(iter(raw["c0"]))
+    weights = folder / "amole_model.safetensors"
+    state = load_file(str(weights))
+    if damage == "no_weights":
+        weights.unlink()
+    elif damage in ("missing_layer", "bad_id", "empty"):
+        raw["c0"][first] = {"missing_layer": None, "bad_id": [0, 5], "empty": []}[damage]
+        raw["c0"] = {k: v for k, v in raw["c0"].items() if v is not None}
+        (folder / "assignments.json").write_text(json.dumps(raw))
+    elif damage == "no_expert":
+        save_file({k: v for k, v in state.items() if ".expert_3." not in k}, str(weights))
+    else:
+        key = next(k for k in state if k.endswith("token_proj.weight"))
+        save_file({**state, key: state[key][:, :-1].contiguous()}, str(weights))
+    message = {"no_weights": "lacks amole_model", "missing_layer": "must assign experts in all",
+               "bad_id": "expert id outside 0..4", "empty": "empty assignment", "no_expert": "lacks .*expert_3",
+               "bad_proj": "token projection of .* misshapen"}[damage]
+    fresh = inject(tiny_llama().model)
+    with pytest.raises(AdapterError, match=message):
+        data = read_amole(fresh, folder)
+        for name in data.names:
+            data.expert_state(name)
+        for path in data.layers:
+            data.token_proj(path, fresh.layers[path].in_features)
+    with pytest.raises(AdapterError, match=message):
+        load_amole(fresh, folder)
+    assert not any(n.startswith("expert_") for n in fresh.configs)  # refused before any expert is created
