@@ -5,15 +5,23 @@ prefill it runs anyway, with the global adapter on) is compared with S of the cl
 local-instance embeddings (``routing.cache``, a faiss index per client written at the end of
 training); ``a = lambda * mean cosine``, clipped to [0, 1], weights ``<client>:local`` and ``1 - a``
 the global adapter. Only the requested client's index is ever read.
+
+In ``random`` mode with a seed, the S instances of a request are drawn from a generator seeded by
+(seed, client, the prompt's state): still a uniform draw per request, but the same prompt draws the
+same instances whatever order requests arrive in, so a re-run or resumed evaluation reproduces its
+weights (the state is deterministic because routed prompts are prefilled alone). Without a seed
+every request draws from fresh entropy.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from routing.cache import IndexCache
@@ -46,7 +54,11 @@ class InstanceWeightRouter:
     def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[Mapping[str, float], Mapping[str, Any]]:
         if hidden_state is None:
             raise ValueError("instance-wise FedDPA weighting needs the prompt's hidden state")
-        decision = self.router.decide(hidden_state, self.cache.get(client, self.version))
+        generator = None
+        if self.router.mode == "random" and self.router.seed is not None:
+            state = hidden_state.detach().float().cpu().contiguous().numpy().tobytes()
+            generator = np.random.default_rng([self.router.seed, zlib.crc32(client.encode()), zlib.crc32(state)])
+        decision = self.router.decide(hidden_state, self.cache.get(client, self.version), generator)
         w = dict(zip(decision.names, decision.weights.tolist(), strict=True))
         weights = {GLOBAL: float(w["global"]), f"{client}{LOCAL_SUFFIX}": float(w["local"])}
         return weights, {**dict(decision.info), "source": "instance"}

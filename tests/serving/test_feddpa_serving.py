@@ -62,3 +62,19 @@ def test_fixed_mode_uses_the_runs_alpha(run_dir: Path) -> None:
         body = client.post("/v1/chat/completions", json={
             "model": "capitals", "max_tokens": 2, "messages": [{"role": "user", "content": "Capital of Peru?"}]}).json()
         assert body["fedmosaic"]["weights"] == {"global": 0.5, "capitals:local": 0.5}
+
+
+def test_seeded_random_draws_depend_on_the_prompt_not_on_request_order(run_dir: Path) -> None:
+    import torch
+
+    from serving.feddpa_router import InstanceWeightRouter
+
+    width = tiny_llama().model.config.hidden_size
+    states = [torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    first = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)
+    forward = [first("sorting", s)[1]["mean_similarity"] for s in states]
+    again = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)  # e.g. a resumed evaluation
+    backward = [again("sorting", s)[1]["mean_similarity"] for s in reversed(states)]
+    assert forward == backward[::-1]
+    other = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=1)
+    assert [other("sorting", s)[1]["mean_similarity"] for s in states] != forward  # the seed matters
