@@ -1,0 +1,48 @@
+"""``fedmosaic eval``'s command line: options -> :class:`fedmosaic.evaluate.EvalOptions`, one run or a comparison."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fedmosaic.evaluate import WEIGHTING, EvalOptions, compare_runs, evaluate_run
+from training.evaluation.metrics import METRICS
+
+
+def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``fedmosaic eval``."""
+    p = sub.add_parser("eval", help="evaluate run directories in the layout of paper 000 Table 1")
+    p.add_argument("run_dirs", nargs="+", help="one run directory, or several with --compare")
+    p.add_argument("--limit", type=int, default=None, help="test examples per task")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-beams", type=int, default=1,
+                   help="1: greedy on the continuous-batching engine; >1: HF beam search (the FedDPA reference: 4)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
+    p.add_argument("--metric", choices=METRICS, default="rouge1")
+    p.add_argument("--data", default=None, help="data set spec (default: run.json's)")
+    p.add_argument("--model", default=None, help="base model (default: run.json's)")
+    p.add_argument("--per-round", action="store_true", help="also score each round's global checkpoint")
+    p.add_argument("--feddpa-weights", choices=WEIGHTING, default="auto",
+                   help="<client> weighting: auto = instance-wise for FedDPA runs with embeddings (paper), "
+                        "else the run's fixed inference weight")
+    p.add_argument("--feddpa-samples", type=int, default=5, help="S, local instances per example (instance-wise)")
+    p.add_argument("--feddpa-mode", choices=["random", "knn"], default="random",
+                   help="random S instances (paper) or the S nearest")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
+    p.add_argument("--compare", action="store_true", help="only tabulate already-evaluated runs side by side")
+    p.add_argument("--out", default=None, help="where --compare writes its Markdown")
+    return p
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Entry of ``fedmosaic eval``."""
+    if args.compare:
+        print(compare_runs(args.run_dirs, Path(args.out) if args.out else None, args.metric))
+        return 0
+    opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
+                       batch_size=args.batch_size, metric=args.metric, data=args.data, model=args.model,
+                       per_round=args.per_round, dtype=args.dtype, feddpa_weights=args.feddpa_weights,
+                       feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode)
+    for d in args.run_dirs:
+        print(evaluate_run(d, opts)["markdown"])
+    return 0
