@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,7 +54,7 @@ from training.flower_messages import (
 )
 from training.protocol import ClientContext, FitIns, FitRes, StateDict, state_bytes
 from training.runtime import Runtime, TrainConfig, preset
-from training.simulation import RunSummary, SimConfig, select_clients
+from training.simulation import RunSummary, SimConfig, save_instance_index, select_clients
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,9 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         ctx = ClientContext(client.client_id, client, rt, _load_private(context, mirror), cfg.seed)
         if finalize:
             m.client(opts).finalize(ins.state, ctx)
+            if m.instance_weighting and ins.state:  # the router's index is built where the instances live
+                rt.set("global", ins.state)
+                save_instance_index(rt, client, mirror)
             res = FitRes(client.client_id, {}, len(client.train), {})
         else:
             res = m.client(opts).fit(ins, ctx)
@@ -272,6 +276,9 @@ def _finish(grid: Grid, cfg: FlowerConfig, run: RunDir, has_local: bool, nodes: 
         if local.is_file():
             write_adapter_folder(run.local_adapter(cdir.name), rt.train.lora, load_file(str(local)),
                                  rt.adapted.base_model_name)
+        for index_file in sorted(cdir.glob("embeddings.*")):  # FedDPA's instance index, beside the adapter
+            run.client_dir(cdir.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(index_file, run.client_dir(cdir.name) / index_file.name)
 
 
 def _log(run: RunDir, row: dict[str, Any]) -> None:

@@ -243,11 +243,18 @@ def _finish(run: RunDir, m, dataset, rt, client_alg, state, private, sim, train,
             write_adapter_folder(run.local_adapter(cid), train.lora, named["local"], rt.adapted.base_model_name)
     if sim.embed and state and m.instance_weighting:
         for c in tqdm(dataset.clients, desc="embeddings", unit="client", leave=False):
-            # the prompts exactly as training formatted them, so serving's request embedding matches
-            prompts = prompt_texts(c.train, rt.tokenizer, PromptConfig(train.prompt_style))  # type: ignore[arg-type]
-            vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",),
-                                 autocast=rt.loaded.autocast)
-            EmbeddingIndex(vecs).save(run.client_dir(c.client_id))
+            save_instance_index(rt, c, run.client_dir(c.client_id))
+
+
+def save_instance_index(rt: Runtime, client: ClientData, folder: Path) -> None:
+    """Embed ``client``'s training instances with the runtime's ``global`` adapter on; save the index in ``folder``.
+
+    Paper 000 section 4.3: final-layer last-token states of the prompts exactly as training formatted
+    them, so serving's request embedding (same template, same adapter) is comparable.
+    """
+    prompts = prompt_texts(client.train, rt.tokenizer, PromptConfig(rt.train.prompt_style))  # type: ignore[arg-type]
+    vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
+    EmbeddingIndex(vecs).save(folder)
 
 
 def _log(run: RunDir, row: dict[str, Any]) -> None:

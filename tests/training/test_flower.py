@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
@@ -20,6 +21,7 @@ from adapters import inject
 from adapters.amole_io import load_amole
 from adapters.rundir import RunDir
 from fedmosaic.tiny import tiny_llama
+from routing.cache import EmbeddingIndex
 from training.algorithms.fedamole import FedAMoLEStrategy, _cfg, subset
 from training.data import generate_suite
 from training.flower import FlowerConfig, run_flower_simulation
@@ -93,7 +95,7 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
     flower = run_flower_simulation(cfg, num_clients=2)
     local = RunDir(tmp_path / "local")
     run_federated("feddpa-t", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root,
-                  SimConfig(rounds=2, embed=False), preset("tiny"), data_spec="generated", data_options=DATA_OPTIONS)
+                  SimConfig(rounds=2), preset("tiny"), data_spec="generated", data_options=DATA_OPTIONS)
     a = load_file(str(flower.global_adapter / "adapter_model.safetensors"))
     b = load_file(str(local.global_adapter / "adapter_model.safetensors"))
     assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
@@ -102,6 +104,9 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
         fb = load_file(str(local.local_adapter(client) / "adapter_model.safetensors"))
         assert all(torch.allclose(fa[k], fb[k], atol=1e-6) for k in fa)  # private state kept on the node
         assert (Path(cfg.out) / "flower-clients" / client / "local.safetensors").is_file()  # mirrored to disk
+        # the node embedded its own instances for the serving router, as the simulator does
+        np.testing.assert_allclose(EmbeddingIndex.load(flower.client_dir(client)).raw,
+                                   EmbeddingIndex.load(local.client_dir(client)).raw, atol=1e-5)
     assert (flower.round_dir(1) / "COMPLETE").is_file()
 
 
