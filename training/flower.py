@@ -77,6 +77,8 @@ class FlowerConfig:
         timeout: seconds the server waits for the replies of one exchange.
         fraction: share of clients per round, drawn as the simulator draws them.
         keep_strategy: newest complete rounds that keep their strategy tensors (0: every round).
+        clients_per_task: split every task's data into this many clients (paper 000 A.1's 40-client study).
+        sample_rate: per-task client sampling each round instead of ``fraction`` (as the simulator's).
     """
 
     method: str = "feddpa-t"
@@ -92,6 +94,8 @@ class FlowerConfig:
     timeout: float = 3600.0
     fraction: float = 1.0
     keep_strategy: int = 1
+    clients_per_task: int = 1
+    sample_rate: float | None = None
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FlowerConfig:
@@ -115,10 +119,16 @@ def _runtime(model: str, preset_name: str) -> Runtime:
 
 
 @functools.lru_cache(maxsize=2)
-def _dataset(spec: str, options_json: str):  # noqa: ANN202
-    from training.data import load_dataset
+def _load(spec: str, options_json: str, clients_per_task: int, seed: int):  # noqa: ANN202
+    from training.data import load_dataset, split_tasks
 
-    return load_dataset(spec, **json.loads(options_json))
+    dataset = load_dataset(spec, **json.loads(options_json))
+    return split_tasks(dataset, clients_per_task, seed=seed) if clients_per_task > 1 else dataset
+
+
+def _dataset(cfg: FlowerConfig):  # noqa: ANN202
+    """The run's clients, the same on the server and on every node (the simulator's split and seed)."""
+    return _load(cfg.data, json.dumps(cfg.data_options, sort_keys=True), cfg.clients_per_task, cfg.seed)
 
 
 def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
@@ -127,7 +137,7 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
 
     def _client(context: Context):  # noqa: ANN202
         cfg = config or FlowerConfig.from_run_config(dict(context.run_config))
-        clients = _dataset(cfg.data, json.dumps(cfg.data_options, sort_keys=True)).clients
+        clients = _dataset(cfg).clients
         partition = int(context.node_config["partition-id"])
         if not 0 <= partition < len(clients):
             raise ValueError(f"partition-id {partition} is outside the {len(clients)} clients of {cfg.data!r}")
@@ -209,14 +219,15 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
     if run.run_json.is_file():
         raise FileExistsError(f"{run.root} already holds a run; pick another out directory")
     opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
-    dataset = _dataset(cfg.data, json.dumps(cfg.data_options, sort_keys=True))
-    sim = SimConfig(rounds=cfg.rounds, fraction=cfg.fraction, seed=cfg.seed, embed=False)
+    dataset = _dataset(cfg)
+    sim = SimConfig(rounds=cfg.rounds, fraction=cfg.fraction, sample_rate=cfg.sample_rate, seed=cfg.seed,
+                    embed=False)
     rt = Runtime(load_base_model(cfg.model), preset(cfg.preset))  # fresh: the strategy's initial state
     strategy = m.strategy(opts)
     state = strategy.initial_state(rt)
     run.run_json.write_text(json.dumps({
         "method": m.name, "data": cfg.data, "data_options": cfg.data_options, "model": cfg.model, "seed": cfg.seed,
-        "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": None, "options": opts,
+        "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": cfg.sample_rate, "options": opts,
         "train": rt.train.asdict(), "inference_weight": m.mixture_weight(opts) or 0.0, "runtime": "flower",
         "flower": asdict(cfg)}, indent=2))
     nodes = identify_nodes(grid, cfg.timeout)

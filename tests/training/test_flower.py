@@ -179,3 +179,20 @@ def test_pfedseq_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> N
     sim_strategy = load_file(str(local.round_dir(2) / "strategy.safetensors"))
     assert set(strategy) == set(sim_strategy)  # history and learner state checkpointed on Flower too
     assert all(torch.allclose(strategy[k], sim_strategy[k], atol=1e-5) for k in strategy)
+
+
+def test_nodes_and_server_see_the_simulators_split_and_per_task_sampling() -> None:
+    from training.data import split_tasks
+    from training.flower import _dataset
+    from training.simulation import select_clients
+
+    cfg = FlowerConfig.from_run_config({"data": "generated", "data-options": json.dumps(DATA_OPTIONS),
+                                        "clients-per-task": 2, "sample-rate": 0.5, "seed": 3})
+    assert cfg.clients_per_task == 2 and cfg.sample_rate == 0.5
+    ours = _dataset(cfg)
+    reference = split_tasks(generate_suite(**DATA_OPTIONS), 2, seed=3)
+    assert [(c.client_id, c.train) for c in ours.clients] == [(c.client_id, c.train) for c in reference.clients]
+    sim = SimConfig(rounds=4, sample_rate=0.5, seed=3)
+    for r in range(4):  # one client of each task's two per round, the simulator's draw
+        picked = select_clients(ours, sim, r)
+        assert len(picked) == 2 and {c.rsplit("-", 1)[0] for c in picked} == {"sorting", "capitals"}
