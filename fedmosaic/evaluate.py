@@ -147,11 +147,11 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         backend: the generation backend; defaults to the serving stack over the run's adapters
             (:func:`fedmosaic.eval_backend.open_backend`).
     """
-    from training.data import load_dataset
+    from training.data import load_run_dataset
 
     run = RunDir(Path(run_dir))
     cfg = run.read_config()
-    dataset = load_dataset(opts.data or cfg["data"], **cfg.get("data_options", {}))
+    dataset = load_run_dataset(cfg, opts.data)
     if backend is None:
         from fedmosaic.eval_backend import open_backend
 

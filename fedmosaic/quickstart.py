@@ -125,10 +125,10 @@ def _evaluate(args: argparse.Namespace, out: Path) -> None:
 
 def sample_prompt(out: Path) -> tuple[str, str, str] | None:
     """(client, instruction, reference) of the run's first client, from its data set's test (or train) split."""
-    from training.data import load_dataset
+    from training.data import load_run_dataset
 
     cfg = json.loads((out / "run.json").read_text())
-    dataset = load_dataset(cfg["data"], **(cfg.get("data_options") or {}))
+    dataset = load_run_dataset(cfg)
     for client in dataset.client_ids:
         records = dataset.tests.get(dataset.task_of(client)) or dataset.client(client).train
         if records:

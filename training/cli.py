@@ -51,7 +51,7 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 def run_train(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic train``."""
     from fedmosaic.models import load_base_model
-    from training.data import load_dataset, split_tasks
+    from training.data import load_dataset
     from training.runtime import preset
     from training.simulation import SimConfig, run_federated
 
@@ -69,13 +69,12 @@ def run_train(args: argparse.Namespace) -> int:
         if args.families:
             data_options["families"] = args.families.split(",")
     dataset = load_dataset(args.data, **data_options)
-    if args.clients_per_task > 1:
-        dataset = split_tasks(dataset, args.clients_per_task, seed=args.seed)
     loaded = load_base_model(args.model, dtype=args.dtype)
     train = preset(args.preset, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                    local_epochs=args.local_epochs, max_steps=args.max_steps, cutoff_len=args.cutoff_len)
     sim = SimConfig(rounds=args.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
-                    client_timeout_s=args.timeout, keep_strategy=args.keep_strategy)
+                    client_timeout_s=args.timeout, keep_strategy=args.keep_strategy,
+                    clients_per_task=args.clients_per_task)
     summary = run_federated(args.method, dataset, loaded, args.out, sim, train, options, resume=args.resume,
                             data_spec=args.data, data_options=data_options,
                             model_name=args.model)

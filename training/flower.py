@@ -227,7 +227,8 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
     state = strategy.initial_state(rt)
     run.run_json.write_text(json.dumps({
         "method": m.name, "data": cfg.data, "data_options": cfg.data_options, "model": cfg.model, "seed": cfg.seed,
-        "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": cfg.sample_rate, "options": opts,
+        "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": cfg.sample_rate,
+        "clients_per_task": cfg.clients_per_task, "options": opts,
         "train": rt.train.asdict(), "inference_weight": m.mixture_weight(opts) or 0.0, "runtime": "flower",
         "flower": asdict(cfg)}, indent=2))
     nodes = identify_nodes(grid, cfg.timeout)

@@ -29,7 +29,7 @@ from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 from training.algorithms import get_method
 from training.checkpoint import last_complete, load_round, prune_strategy_state, save_round
-from training.data import ClientData, FederatedDataset, PromptConfig, prompt_texts, sample_clients
+from training.data import ClientData, FederatedDataset, PromptConfig, prompt_texts, sample_clients, split_tasks
 from training.protocol import ClientContext, FitRes, StateDict, derive_seed, state_bytes
 from training.runtime import Runtime, TrainConfig
 
@@ -53,6 +53,8 @@ class SimConfig:
         failures: (round, client) pairs that fail on purpose (failure drills, tests).
         embed: save each client's local-instance embeddings at the end.
         keep_strategy: complete rounds that keep their strategy tensors (the resume state; 0: all rounds).
+        clients_per_task: split every task's training data into this many clients ``<task>-<j>`` (seeded by
+            ``seed``; paper 000 A.1's 40-client study); recorded so evaluation reloads the same clients.
     """
 
     rounds: int = 20
@@ -63,12 +65,15 @@ class SimConfig:
     failures: frozenset[tuple[int, str]] = field(default_factory=frozenset)
     embed: bool = True
     keep_strategy: int = 1
+    clients_per_task: int = 1
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.clients_per_task < 1:
+            raise ValueError(f"clients_per_task must be >= 1, got {self.clients_per_task}")
         if self.keep_strategy < 0:
             raise ValueError(f"keep_strategy must be >= 0 (0 keeps every round), got {self.keep_strategy}")
 
@@ -102,7 +107,8 @@ def select_clients(dataset: FederatedDataset, sim: SimConfig, round_idx: int) ->
 def _run_config(method: str, sim: SimConfig, train: TrainConfig, options: dict, data: str, data_options: dict,
                 model: str, inference_weight: float | None) -> dict[str, Any]:
     return {"method": method, "data": data, "data_options": data_options, "model": model, "seed": sim.seed,
-            "rounds": sim.rounds, "fraction": sim.fraction, "sample_rate": sim.sample_rate, "options": options,
+            "rounds": sim.rounds, "fraction": sim.fraction, "sample_rate": sim.sample_rate,
+            "clients_per_task": sim.clients_per_task, "options": options,
             "train": train.asdict(), "inference_weight": inference_weight if inference_weight is not None else 0.0}
 
 
@@ -153,11 +159,14 @@ def _run_locked(
         if not resume:
             raise FileExistsError(f"{run.root} already holds a run; pass resume=True (--resume) or another --out")
         old = run.read_config()
-        for key in ("method", "data", "seed", "model", "train", "options", "data_options"):
+        old.setdefault("clients_per_task", 1)  # run.json written before the field existed
+        for key in ("method", "data", "seed", "model", "train", "options", "data_options", "clients_per_task"):
             if json.dumps(old.get(key), sort_keys=True) != json.dumps(config.get(key), sort_keys=True):
                 raise ValueError(f"cannot resume {run.root}: its {key} is {old.get(key)!r}, now {config.get(key)!r}")
     run.root.mkdir(parents=True, exist_ok=True)
     run.run_json.write_text(json.dumps(config, indent=2))  # a resume may extend the rounds: record the new count
+    if sim.clients_per_task > 1:
+        dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.seed)
     if m.centralized:
         pooled = tuple(r for c in dataset.clients for r in c.train)
         dataset = FederatedDataset(dataset.name, (ClientData("all", "all", pooled),), dataset.tests)

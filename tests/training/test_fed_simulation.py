@@ -130,3 +130,20 @@ def test_a_second_writer_on_the_same_run_directory_is_refused(tmp_path: Path) ->
         assert not run.run_json.exists()  # the refused writer touched nothing
     _run("fedit", run.root, rounds=1)  # released on exit: the run goes ahead
     assert (run.root / "summary.json").is_file()
+
+
+def test_a_split_run_records_its_clients_and_evaluation_reloads_them(tmp_path: Path) -> None:
+    from training.data import load_run_dataset
+
+    run = _run("fedlora", tmp_path / "split", rounds=1, clients_per_task=2, embed=False)
+    cfg = run.read_config()
+    assert cfg["clients_per_task"] == 2
+    reloaded = load_run_dataset(cfg)
+    assert reloaded.client_ids == split_tasks(DATA, 2, seed=0).client_ids == [
+        "sorting-0", "sorting-1", "capitals-0", "capitals-1"]
+    assert all(run.local_adapter(c).is_dir() for c in reloaded.client_ids)  # what evaluation will serve
+    assert reloaded.task_of("capitals-1") == "capitals" and reloaded.tests == DATA.tests
+    with pytest.raises(ValueError, match="its clients_per_task is 2, now 1"):
+        _run("fedlora", tmp_path / "split", rounds=2, resume=True)
+    with pytest.raises(ValueError, match="clients_per_task must be >= 1"):
+        SimConfig(clients_per_task=0)

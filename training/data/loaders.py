@@ -20,6 +20,7 @@ import json
 import re
 import warnings
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,17 @@ def load_dataset(spec: str, data_dir: Path | None = None, **options: Any) -> Fed
     if (path / "train").is_dir():
         return load_folder(path)
     return load_feddpa_format(path)
+
+
+def load_run_dataset(config: Mapping[str, Any], spec: str | None = None) -> FederatedDataset:
+    """The clients a run trained, from its ``run.json``: the data set, its options and the task split.
+
+    Args:
+        config: the run's ``run.json``.
+        spec: another data set spec to load instead of the recorded one (same options and split).
+    """
+    from training.data.partition import split_tasks
+
+    dataset = load_dataset(spec or config["data"], **(config.get("data_options") or {}))
+    k = int(config.get("clients_per_task") or 1)
+    return split_tasks(dataset, k, seed=int(config.get("seed") or 0)) if k > 1 else dataset
