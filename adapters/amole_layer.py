@@ -4,8 +4,9 @@ FedAMoLE (paper 002, section 4.2; METHODS.md 1.1): every adapted Linear holds a 
 experts (ordinary LoRA adapters named ``expert_<j>``), a shared expert (``expert_shared``) and one
 bias-free token projection ``P`` (r x d), the router's only parameter: its shape does not depend on
 how many experts a client holds, so it averages across clients. A client's assignment differs per
-module; rows of one batch may belong to different clients (serving), so rows are grouped by client
-and each group runs :func:`adapters.amole.amole_forward` on its own experts.
+module; rows of one batch may belong to different clients (serving), so rows are grouped by client:
+at inference the clients of one source run together over the union of their experts, otherwise each
+group runs :func:`adapters.amole.amole_forward` on its own experts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from adapters.amole import amole_forward
+from adapters.amole_union import GroupSetup, union_forward, union_ids
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AMoLEExperts, AMoLERouting
 
@@ -82,6 +84,10 @@ def amole_layer_forward(
 ) -> torch.Tensor:
     """Return ``result`` plus each row's client-specific AMoLE update (equation (11)).
 
+    At inference, clients of one expert source run together over the union of their experts
+    (:mod:`adapters.amole_union`); in training, or for a client alone, each group runs
+    :func:`adapters.amole.amole_forward` on its own experts.
+
     Args:
         layer: the adapted layer (holds experts, shared expert and ``token_proj``).
         x: (B, T, d) or (B, d) layer input.
@@ -93,48 +99,69 @@ def amole_layer_forward(
         if row_group.shape[0] == 0 or x.shape[0] % row_group.shape[0]:
             raise AdapterError(f"AMoLE routing has {row_group.shape[0]} rows, the batch has {x.shape[0]}")
         row_group = row_group.repeat_interleave(x.shape[0] // row_group.shape[0])  # beam search
+    setups = [s for g in torch.unique(row_group).tolist() if g >= 0 and (s := _setup(layer, routing, g)) is not None]
+    batched: dict[tuple[str, int, int, bool], list[GroupSetup]] = {}
+    if not torch.is_grad_enabled() and not layer.training and routing.observer is None:
+        for s in setups:
+            batched.setdefault(s.batch_key, []).append(s)
     out = result
-    for g in torch.unique(row_group).tolist():
-        if g < 0:
-            continue  # a row outside AMoLE (base model or plain LoRA): nothing to add here
-        source = routing.experts[g] if routing.experts else None
-        experts = routing.groups[g].get(layer.layer_name)
-        if not experts:
-            if source is not None and layer.layer_name not in routing.groups[g]:
-                continue  # that AMoLE model does not adapt this layer (a server may inject more layers)
-            raise AdapterError(f"client group {g} has no expert assignment for {layer.layer_name}")
-        prefix = source.prefix if source is not None else ""
-        P = _token_proj(layer, source)
-        top_k = source.top_k if source is not None and source.top_k is not None else routing.top_k
-        use_shared = source.shared if source is not None and source.shared is not None else routing.shared
-        missing = [j for j in experts if prefix + expert_name(j) not in layer.adapters]
-        if missing:
-            raise AdapterError(f"{layer.layer_name} has no domain experts {missing}")
-        shared = layer.adapters[prefix + SHARED] if use_shared and prefix + SHARED in layer.adapters else None
-        adapters = [layer.adapters[prefix + expert_name(j)] for j in experts]
-        A = torch.stack([a.lora_A for a in adapters])  # (E, r, d)
-        B = torch.stack([a.lora_B for a in adapters])  # (E, o, r)
-        sh_A, sh_B = (shared.lora_A, shared.lora_B) if shared is not None else (None, None)
-        if A.dtype != x.dtype:  # fp32 adapters in a bf16 model: compute in the model's dtype
-            A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)
-            if sh_A is not None and sh_B is not None:
-                sh_A, sh_B = sh_A.to(x.dtype), sh_B.to(x.dtype)
-        rows = (row_group == g).nonzero(as_tuple=True)[0]
-        whole = rows.numel() == x.shape[0]
-        xg, rg = (x, result) if whole else (x.index_select(0, rows), result.index_select(0, rows))
-        if routing.observer is not None:
-            routing.observer(layer.layer_name, g, xg.detach(), P.detach(), A.detach())
-        res = amole_forward(
-            xg, rg, sh_A, sh_B, A, B, P, adapters[0].scaling, top_k,
-            dropout_p=adapters[0].config.dropout, training=layer.training,
-            routed_dropout=routing.routed_dropout,  # type: ignore[arg-type]
-        )
-        if torch.is_grad_enabled():
-            routing.stats.append((layer.layer_name, res.gates_full, res.topk_idx))
-        if routing.recorder is not None:
-            routing.recorder.record(layer.layer_name, rows, res.topk_idx, experts)  # (N, k) positions in experts
-        out = res.out if whole else out.index_copy(0, rows, res.out.to(out.dtype))
+    for s in setups:
+        together = batched.get(s.batch_key, [])
+        if len(together) > 1:
+            if s is together[0]:
+                names = [s.prefix + expert_name(j) for j in union_ids(together)]
+                shared = s.prefix + SHARED if s.shared and s.prefix + SHARED in layer.adapters else None
+                out = union_forward(layer, x, out, row_group, together, names, shared, routing.recorder)
+            continue
+        out = _group_forward(layer, x, result, out, row_group, s, routing)
     return out
+
+
+def _setup(layer: MultiLoraLinear, routing: AMoLERouting, g: int) -> GroupSetup | None:
+    """Group ``g``'s routing in ``layer``, or None when its AMoLE model does not adapt the layer."""
+    source = routing.experts[g] if routing.experts else None
+    experts = routing.groups[g].get(layer.layer_name)
+    if not experts:
+        if source is not None and layer.layer_name not in routing.groups[g]:
+            return None  # that AMoLE model does not adapt this layer (a server may inject more layers)
+        raise AdapterError(f"client group {g} has no expert assignment for {layer.layer_name}")
+    prefix = source.prefix if source is not None else ""
+    missing = [j for j in experts if prefix + expert_name(j) not in layer.adapters]
+    if missing:
+        raise AdapterError(f"{layer.layer_name} has no domain experts {missing}")
+    top_k = source.top_k if source is not None and source.top_k is not None else routing.top_k
+    use_shared = source.shared if source is not None and source.shared is not None else routing.shared
+    return GroupSetup(g, prefix, tuple(experts), _token_proj(layer, source), top_k, bool(use_shared))
+
+
+def _group_forward(layer: MultiLoraLinear, x: torch.Tensor, result: torch.Tensor, out: torch.Tensor,
+                   row_group: torch.Tensor, s: GroupSetup, routing: AMoLERouting) -> torch.Tensor:
+    """One client group on its own experts (training, or a client alone in its batch)."""
+    prefix, experts, P = s.prefix, s.experts, s.P
+    shared = layer.adapters[prefix + SHARED] if s.shared and prefix + SHARED in layer.adapters else None
+    adapters = [layer.adapters[prefix + expert_name(j)] for j in experts]
+    A = torch.stack([a.lora_A for a in adapters])  # (E, r, d)
+    B = torch.stack([a.lora_B for a in adapters])  # (E, o, r)
+    sh_A, sh_B = (shared.lora_A, shared.lora_B) if shared is not None else (None, None)
+    if A.dtype != x.dtype:  # fp32 adapters in a bf16 model: compute in the model's dtype
+        A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)
+        if sh_A is not None and sh_B is not None:
+            sh_A, sh_B = sh_A.to(x.dtype), sh_B.to(x.dtype)
+    rows = (row_group == s.group).nonzero(as_tuple=True)[0]
+    whole = rows.numel() == x.shape[0]
+    xg, rg = (x, result) if whole else (x.index_select(0, rows), result.index_select(0, rows))
+    if routing.observer is not None:
+        routing.observer(layer.layer_name, s.group, xg.detach(), P.detach(), A.detach())
+    res = amole_forward(
+        xg, rg, sh_A, sh_B, A, B, P, adapters[0].scaling, s.top_k,
+        dropout_p=adapters[0].config.dropout, training=layer.training,
+        routed_dropout=routing.routed_dropout,  # type: ignore[arg-type]
+    )
+    if torch.is_grad_enabled():
+        routing.stats.append((layer.layer_name, res.gates_full, res.topk_idx))
+    if routing.recorder is not None:
+        routing.recorder.record(layer.layer_name, rows, res.topk_idx, experts)  # (N, k) positions in experts
+    return res.out if whole else out.index_copy(0, rows, res.out.to(out.dtype))
 
 
 def _token_proj(layer: MultiLoraLinear, source: AMoLEExperts | None) -> torch.Tensor:

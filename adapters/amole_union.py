@@ -1,0 +1,120 @@
+"""Several AMoLE clients in one inference batch: one pass over the union of their experts.
+
+Serving puts rows of different FedAMoLE clients in the same decode step (paper 002, section 4.2;
+METHODS.md 1.1). Each client's gate is a softmax over *its* assigned experts in the module, then
+top-k and renormalisation. Running that once per client in every layer costs one Python round of
+small kernels per (client, layer). Here the clients that share an expert source (one loaded run
+version), the shared-expert setting and the effective k = min(top_k, E_c) run together:
+
+- every token is projected onto the union U of those clients' experts, ``A_j h`` for j in U (N, U, r);
+- the gate scores ``A_j h . P h / sqrt(r)`` of experts outside the token's own client's assignment
+  are set to -inf before the softmax, so the softmax, top-k and renormalised weights are exactly
+  those over the client's own experts;
+- the routed sum is one dense (N, U*r) x (U*r, o) product with the unselected weights at zero.
+
+Only for inference (no autograd, no dropout, no RSEA observer): training runs one client at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from adapters.amole import amole_delta_dense
+from adapters.context import ExpertRecorder
+
+if TYPE_CHECKING:
+    from adapters.layer import MultiLoraLinear
+
+
+@dataclass(frozen=True)
+class GroupSetup:
+    """One client group's routing in one layer.
+
+    Attributes:
+        group: the group index in ``AMoLERouting.groups``.
+        prefix: adapter-name prefix of its expert source ("" for the layer's own experts).
+        experts: its assigned domain-expert ids in this layer.
+        P: (r, d) its token projection.
+        top_k: experts per token before clipping to ``len(experts)``.
+        shared: whether the shared expert adds at weight 1.
+    """
+
+    group: int
+    prefix: str
+    experts: tuple[int, ...]
+    P: torch.Tensor
+    top_k: int
+    shared: bool
+
+    @property
+    def batch_key(self) -> tuple[str, int, int, bool]:
+        """Groups with equal keys can share one union pass (same source, projection, k and shared flag)."""
+        return (self.prefix, id(self.P), min(self.top_k, len(self.experts)), self.shared)
+
+
+def union_forward(
+    layer: MultiLoraLinear, x: torch.Tensor, out: torch.Tensor, row_group: torch.Tensor,
+    setups: Sequence[GroupSetup], expert_names: Sequence[str], shared_name: str | None,
+    recorder: ExpertRecorder | None,
+) -> torch.Tensor:
+    """Add the routed AMoLE update of every row whose group is in ``setups`` (all with one ``batch_key``).
+
+    Args:
+        layer: the adapted layer holding the experts.
+        x: (B, T, d) or (B, d) layer input.
+        out: the layer output so far (rows of these groups still hold the frozen output).
+        row_group: (B,) group of every row.
+        setups: the groups to run, at least one, all with the same ``batch_key``.
+        expert_names: adapter name of each id in the union, in the order of ``union_ids(setups)``.
+        shared_name: the shared expert's adapter name, or None.
+        recorder: receives every token's top-k expert ids, or None.
+
+    Returns:
+        ``out`` with those rows replaced by frozen output + shared + routed experts.
+    """
+    union = union_ids(setups)
+    pos = {j: i for i, j in enumerate(union)}
+    first = setups[0]
+    k = min(first.top_k, len(first.experts))
+    lookup = torch.full((int(row_group.max()) + 1,), -1, dtype=torch.long)  # group -> setup index
+    allowed = torch.zeros(len(setups), len(union), dtype=torch.bool)  # (S, U)
+    for i, s in enumerate(setups):
+        lookup[s.group] = i
+        allowed[i, [pos[j] for j in s.experts]] = True
+    part = lookup[row_group.clamp(min=0).cpu()].masked_fill(row_group.cpu() < 0, -1)  # (B,)
+    rows = (part >= 0).nonzero(as_tuple=True)[0].to(x.device)
+    whole = rows.numel() == x.shape[0]
+    xg, base = (x, out) if whole else (x.index_select(0, rows), out.index_select(0, rows))
+    d = x.shape[-1]
+    hf = xg.reshape(-1, d)  # (N, d)
+    per_row = hf.shape[0] // max(rows.numel(), 1)
+    token_part = part[rows.cpu()].repeat_interleave(per_row).to(x.device)  # (N,)
+    adapters = [layer.adapters[n] for n in expert_names]
+    A = torch.stack([a.lora_A for a in adapters]).to(x.dtype)  # (U, r, d)
+    B = torch.stack([a.lora_B for a in adapters]).to(x.dtype)  # (U, o, r)
+    U, r, _ = A.shape
+    expert_emb = F.linear(hf, A.reshape(U * r, d)).view(-1, U, r)  # (N, U, r)
+    token_emb = F.linear(hf, first.P.to(x.dtype))  # (N, r)
+    scores = torch.einsum("nur,nr->nu", expert_emb, token_emb) / math.sqrt(r)  # (N, U)
+    scores = scores.masked_fill(~allowed.to(x.device)[token_part], float("-inf"))
+    top_p, topk_idx = scores.softmax(dim=-1).topk(k, dim=-1)  # (N, k) positions in the union
+    topk_w = top_p / top_p.sum(dim=-1, keepdim=True)
+    delta = amole_delta_dense(expert_emb, B, adapters[0].scaling, topk_idx, topk_w)  # (N, o)
+    if shared_name is not None:
+        sh = layer.adapters[shared_name]
+        delta = delta + F.linear(F.linear(hf, sh.lora_A.to(x.dtype)), sh.lora_B.to(x.dtype)) * sh.scaling
+    new = base + delta.view(base.shape).to(base.dtype)
+    if recorder is not None:
+        recorder.record(layer.layer_name, rows, topk_idx, union)
+    return new if whole else out.index_copy(0, rows, new)
+
+
+def union_ids(setups: Sequence[GroupSetup]) -> tuple[int, ...]:
+    """The sorted union of the groups' expert ids."""
+    return tuple(sorted({j for s in setups for j in s.experts}))
