@@ -79,7 +79,9 @@ class MultiLoraLinear(nn.Module):
         self.merged: str | None = None
         self.token_proj: nn.Parameter | None = None  # AMoLE router (r, d), see adapters.amole_layer
         self._original_weight: torch.Tensor | None = None
-        self._stack_cache: dict[tuple[str, ...], tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+        # (names, dtype) -> (parameter versions, A stack, B stack), reused while the adapters are unchanged
+        self._stack_cache: dict[tuple[tuple[str, ...], torch.dtype],
+                                tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
 
     @property
     def in_features(self) -> int:
@@ -182,7 +184,7 @@ class MultiLoraLinear(nn.Module):
         out = result.unsqueeze(1) if squeeze else result  # (B, T, o)
         plan = self._plan(state, tuple(present), x3)
         for k, column in plan.dense:
-            A, B, adapter = self._tensors(state, state.names[k])
+            A, B, adapter = self._tensors(state, state.names[k], x3.dtype)
             delta = lora_delta(adapter.dropout(x3), A, B, adapter.scaling)
             out = out + (delta * column.to(delta.dtype)).to(out.dtype)
         if plan.gathered:
@@ -228,16 +230,20 @@ class MultiLoraLinear(nn.Module):
             f"adapter weights have {rows} rows but the batch has {batch} rows ({self.layer_name})"
         )
 
-    def _tensors(self, state: AdapterWeights, name: str) -> tuple[torch.Tensor, torch.Tensor, LoraAdapter]:
+    def _tensors(self, state: AdapterWeights, name: str,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, LoraAdapter]:
+        """Adapter ``name``'s A and B in the activations' dtype (fp32 adapters in a bf16 model)."""
         adapter: LoraAdapter = self.adapters[name]  # type: ignore[assignment]
         A, B = adapter.lora_A, adapter.lora_B
         if state.trainable is not None and name not in state.trainable:
             A, B = A.detach(), B.detach()
+        if A.dtype != dtype:  # a differentiable cast: fp32 master weights still get their gradients
+            A, B = A.to(dtype), B.to(dtype)
         return A, B, adapter
 
     def _gathered(self, state: AdapterWeights, plan: _Plan, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         names = plan.gathered
-        A_stack, B_stack = self._stacks(state, names)
+        A_stack, B_stack = self._stacks(state, names, x.dtype)
         assert plan.rows is not None and plan.local is not None and plan.coef is not None
         xg = x.index_select(0, plan.rows)  # (N, T, d)
         if self.training:
@@ -248,13 +254,14 @@ class MultiLoraLinear(nn.Module):
         y = gathered_lora_delta(xg, A_stack, B_stack, plan.local, plan.coef)  # (N, T, o)
         return out.index_add(0, plan.rows, y.to(out.dtype))
 
-    def _stacks(self, state: AdapterWeights, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stack (and, outside autograd, cache) the gathered adapters' A and B."""
-        pairs = [self._tensors(state, n) for n in names]
+    def _stacks(self, state: AdapterWeights, names: tuple[str, ...],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack (and, outside autograd, cache) the gathered adapters' A and B in ``dtype``."""
+        pairs = [self._tensors(state, n, dtype) for n in names]
         needs_grad = torch.is_grad_enabled() and any(a.requires_grad or b.requires_grad for a, b, _ in pairs)
         if not needs_grad:
             versions = tuple(p.lora_A._version + p.lora_B._version for _, _, p in pairs)
-            hit = self._stack_cache.get(names)
+            hit = self._stack_cache.get((names, dtype))
             if hit is not None and hit[0] == versions:
                 return hit[1], hit[2]
         A_stack = stack_padded([a for a, _, _ in pairs], rank_dim=0)  # (S, r_max, d)
@@ -262,7 +269,7 @@ class MultiLoraLinear(nn.Module):
         if not needs_grad:
             if len(self._stack_cache) > 64:
                 self._stack_cache.clear()
-            self._stack_cache[names] = (versions, A_stack.detach(), B_stack.detach())
+            self._stack_cache[(names, dtype)] = (versions, A_stack.detach(), B_stack.detach())
         return A_stack, B_stack
 
     def _check_merged(self, state: AdapterWeights | None, x: torch.Tensor) -> None:

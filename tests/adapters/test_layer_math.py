@@ -62,6 +62,27 @@ def test_per_token_weights_equal_naive_loop() -> None:
     torch.testing.assert_close(got, naive(layer, x, NAMES, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weights", [[[1.0, 0, 0, 0]] * 3, [[0.7, 0.3, 0, 0], [0, 0, 1.0, 0], [0.5, 0, 0, 0.5]]])
+def test_bf16_model_with_fp32_adapters(weights: list[list[float]]) -> None:
+    """A model cast to bf16 (``--dtype bfloat16``) keeps fp32 adapters: they run in bf16, gradients reach them."""
+    layer = make_layer()
+    x = torch.randn(3, 5, 12)
+    w = torch.tensor(weights)
+    expected = naive(layer, x, NAMES, w)
+    layer.base_layer.to(torch.bfloat16)
+    with layer.context.use(NAMES, w):
+        got = layer(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and layer.adapters["g"].lora_A.dtype == torch.float32
+    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.05)
+    with layer.context.use(NAMES, w):  # the cached bf16 stacks are reused and stay equal
+        torch.testing.assert_close(layer(x.bfloat16()), got)
+    layer.train()
+    with layer.context.use(NAMES, w):
+        layer(x.bfloat16()).float().sum().backward()
+    grad = layer.adapters["g"].lora_B.grad
+    assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
+
+
 def test_zero_weights_and_no_context_are_the_base_layer() -> None:
     layer = make_layer()
     x = torch.randn(2, 3, 12)
