@@ -8,8 +8,10 @@ the run's fixed inference weight), and any other kind of target the resolver lea
 is evaluated with no change here.
 
 Greedy decoding (the protocol's default) runs on the continuous-batching engine
-(:meth:`serving.stack.ServingStack.run`): every missing example of every (model, task) pair is in one
-stream, so rows of different clients share decode steps. Routed targets prefill twice
+(:meth:`serving.stack.ServingStack.run`), one stream per served target: bf16 matrix products are not
+batch-invariant, so a row's greedy answer can change with the rows decoded beside it; keeping each
+target's rows among themselves makes its predictions independent of which other targets (methods,
+clients) an evaluation runs, e.g. the ``[base]`` row is the same in every run's table. Routed targets prefill twice
 (``exact_prefill``) so the first token also uses the routed weights, as the paper's model does. The
 engine has no beam search, so ``num_beams > 1`` (the FedDPA reference used 4) goes through
 :func:`serving.generation.generate_target` (HF ``generate``, static batches, same targets and weights).
@@ -70,24 +72,23 @@ class StackBackend:
             yield from self._beams(items)
             return
         sampling = SamplingParams(max_tokens=self.max_new_tokens, temperature=0.0)
-        jobs = (Job(target=it.target, sampling=sampling, prompt=it.prompt, exact_prefill=True, key=it) for it in items)
-        for outcome in self.stack.run(jobs):
-            item: EvalItem = outcome.job.key
-            if outcome.error is not None:
-                raise RuntimeError(f"{item.key}/{item.task} example {item.i}: {outcome.error}") from outcome.error
-            assert outcome.result is not None
-            if outcome.result.finish_reason in ("error", "cancelled"):
-                raise RuntimeError(f"{item.key}/{item.task} example {item.i}: generation "
-                                   f"{outcome.result.finish_reason}: {outcome.result.error}")
-            yield item, _prediction(outcome.result.text, outcome.weights(), outcome.result.route_info)
+        for group in _by_target(items).values():
+            jobs = (Job(target=it.target, sampling=sampling, prompt=it.prompt, exact_prefill=True, key=it)
+                    for it in group)
+            for outcome in self.stack.run(jobs):
+                item: EvalItem = outcome.job.key
+                if outcome.error is not None:
+                    raise RuntimeError(f"{item.key}/{item.task} example {item.i}: {outcome.error}") from outcome.error
+                assert outcome.result is not None
+                if outcome.result.finish_reason in ("error", "cancelled"):
+                    raise RuntimeError(f"{item.key}/{item.task} example {item.i}: generation "
+                                       f"{outcome.result.finish_reason}: {outcome.result.error}")
+                yield item, _prediction(outcome.result.text, outcome.weights(), outcome.result.route_info)
 
     def _beams(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, num_beams=self.num_beams,
                                   batch_size=self.batch_size)
-        by_target: dict[str, list[EvalItem]] = {}
-        for it in items:
-            by_target.setdefault(it.target, []).append(it)
-        for target, group in by_target.items():
+        for target, group in _by_target(items).items():
             for start in range(0, len(group), self.batch_size):
                 chunk = group[start:start + self.batch_size]
                 outs = generate_target(self.stack, target, [it.prompt for it in chunk], config)
@@ -99,6 +100,14 @@ class StackBackend:
 
     def remove_adapter(self, name: str) -> None:
         self.stack.pool.unload(name)
+
+
+def _by_target(items: Sequence[EvalItem]) -> dict[str, list[EvalItem]]:
+    """Items grouped by served target, in first-seen order (each group keeps the items' order)."""
+    groups: dict[str, list[EvalItem]] = {}
+    for it in items:
+        groups.setdefault(it.target, []).append(it)
+    return groups
 
 
 def _prediction(text: str, weights: dict[str, float], info: Any) -> Prediction:

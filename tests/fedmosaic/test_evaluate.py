@@ -184,3 +184,26 @@ def test_amole_run_is_evaluated_through_the_same_targets(tmp_path: Path) -> None
     assert "expert_usage" in row["route"]  # the engine's per-token routing report is kept with the answer
     with pytest.raises(InvalidRequest, match="beam search"):
         evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, num_beams=2, dtype="float32"))
+
+
+def test_each_target_decodes_in_its_own_stream(tmp_path: Path) -> None:
+    """A target's rows never share decode steps with another target's, so its answers do not depend on them."""
+    run = build_run(tmp_path, embeddings=True)
+    backend = open_backend(run, run.read_config(), dtype="bfloat16", max_new_tokens=5, batch_size=3, mode="knn")
+    streams: list[set[str]] = []
+    real_run = backend.stack.run
+
+    def recording_run(jobs, window=None):  # noqa: ANN001, ANN202 - the real ServingStack.run, watched
+        seen: set[str] = set()
+        streams.append(seen)
+        yield from real_run((seen.add(job.target) or job for job in jobs), window)
+
+    backend.stack.run = recording_run  # type: ignore[method-assign]
+    prompts = ["Sort: pear, apple, fig", "Capital of Peru?", "twelve plus seven", "Convert 5 km to m"]
+    targets = ("sorting", backend.base_name, "global", "capitals")
+    mixed = [EvalItem("final", t, "t", i, t, p, "", "") for i, p in enumerate(prompts) for t in targets]
+    together = {(item.target, item.i): pred.text for item, pred in backend.generate(mixed)}
+    assert streams == [{t} for t in targets]  # one stream per target, in first-seen order
+    for t in targets:  # the same answers as when the target is evaluated on its own
+        alone = {item.i: pred.text for item, pred in backend.generate([it for it in mixed if it.target == t])}
+        assert alone == {i: together[(t, i)] for i in range(len(prompts))}
