@@ -95,9 +95,8 @@ def union_forward(
     hf = xg.reshape(-1, d)  # (N, d)
     per_row = hf.shape[0] // max(rows.numel(), 1)
     token_part = part[rows.cpu()].repeat_interleave(per_row).to(x.device)  # (N,)
-    adapters = [layer.adapters[n] for n in expert_names]
-    A = torch.stack([a.lora_A for a in adapters]).to(x.dtype)  # (U, r, d)
-    B = torch.stack([a.lora_B for a in adapters]).to(x.dtype)  # (U, o, r)
+    A, B = layer.frozen_stacks(tuple(expert_names), x.dtype)  # (U, r, d), (U, o, r): cached across steps
+    scaling = layer.adapters[expert_names[0]].scaling
     U, r, _ = A.shape
     expert_emb = F.linear(hf, A.reshape(U * r, d)).view(-1, U, r)  # (N, U, r)
     token_emb = F.linear(hf, first.P.to(x.dtype))  # (N, r)
@@ -105,7 +104,7 @@ def union_forward(
     scores = scores.masked_fill(~allowed.to(x.device)[token_part], float("-inf"))
     top_p, topk_idx = scores.softmax(dim=-1).topk(k, dim=-1)  # (N, k) positions in the union
     topk_w = top_p / top_p.sum(dim=-1, keepdim=True)
-    delta = amole_delta_dense(expert_emb, B, adapters[0].scaling, topk_idx, topk_w)  # (N, o)
+    delta = amole_delta_dense(expert_emb, B, scaling, topk_idx, topk_w)  # (N, o)
     if shared_name is not None:
         sh = layer.adapters[shared_name]
         delta = delta + F.linear(F.linear(hf, sh.lora_A.to(x.dtype)), sh.lora_B.to(x.dtype)) * sh.scaling

@@ -256,20 +256,30 @@ class MultiLoraLinear(nn.Module):
 
     def _stacks(self, state: AdapterWeights, names: tuple[str, ...],
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stack (and, outside autograd, cache) the gathered adapters' A and B in ``dtype``."""
+        """The gathered adapters' A and B stacked in ``dtype`` (cached outside autograd)."""
         pairs = [self._tensors(state, n, dtype) for n in names]
-        needs_grad = torch.is_grad_enabled() and any(a.requires_grad or b.requires_grad for a, b, _ in pairs)
-        if not needs_grad:
-            versions = tuple(p.lora_A._version + p.lora_B._version for _, _, p in pairs)
-            hit = self._stack_cache.get((names, dtype))
-            if hit is not None and hit[0] == versions:
-                return hit[1], hit[2]
+        if not (torch.is_grad_enabled() and any(a.requires_grad or b.requires_grad for a, b, _ in pairs)):
+            return self.frozen_stacks(names, dtype)
         A_stack = stack_padded([a for a, _, _ in pairs], rank_dim=0)  # (S, r_max, d)
         B_stack = stack_padded([b for _, b, _ in pairs], rank_dim=1)  # (S, o, r_max)
-        if not needs_grad:
-            if len(self._stack_cache) > 64:
-                self._stack_cache.clear()
-            self._stack_cache[(names, dtype)] = (versions, A_stack.detach(), B_stack.detach())
+        return A_stack, B_stack
+
+    def frozen_stacks(self, names: tuple[str, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adapters ``names``' A (S, r_max, d) and B (S, o, r_max), rank-padded, in ``dtype``, detached.
+
+        Cached per (names, dtype) until one of the adapters' weights changes in place (optimizer step,
+        ``set_weights``): decode steps would otherwise re-stack the same tensors in every layer.
+        """
+        adapters = [self._get(n) for n in names]
+        versions = tuple(a.lora_A._version + a.lora_B._version for a in adapters)
+        hit = self._stack_cache.get((names, dtype))
+        if hit is not None and hit[0] == versions:
+            return hit[1], hit[2]
+        A_stack = stack_padded([a.lora_A.detach().to(dtype) for a in adapters], rank_dim=0)
+        B_stack = stack_padded([a.lora_B.detach().to(dtype) for a in adapters], rank_dim=1)
+        if len(self._stack_cache) > 64:
+            self._stack_cache.clear()
+        self._stack_cache[(names, dtype)] = (versions, A_stack, B_stack)
         return A_stack, B_stack
 
     def _check_merged(self, state: AdapterWeights | None, x: torch.Tensor) -> None:
