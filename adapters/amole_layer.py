@@ -139,9 +139,13 @@ def _group_forward(layer: MultiLoraLinear, x: torch.Tensor, result: torch.Tensor
     """One client group on its own experts (training, or a client alone in its batch)."""
     prefix, experts, P = s.prefix, s.experts, s.P
     shared = layer.adapters[prefix + SHARED] if s.shared and prefix + SHARED in layer.adapters else None
-    adapters = [layer.adapters[prefix + expert_name(j)] for j in experts]
-    A = torch.stack([a.lora_A for a in adapters])  # (E, r, d)
-    B = torch.stack([a.lora_B for a in adapters])  # (E, o, r)
+    names = tuple(prefix + expert_name(j) for j in experts)
+    adapters = [layer.adapters[n] for n in names]
+    if torch.is_grad_enabled():
+        A = torch.stack([a.lora_A for a in adapters])  # (E, r, d)
+        B = torch.stack([a.lora_B for a in adapters])  # (E, o, r)
+    else:  # decoding: the same stacks every step, cached by the layer
+        A, B = layer.frozen_stacks(names, x.dtype)
     sh_A, sh_B = (shared.lora_A, shared.lora_B) if shared is not None else (None, None)
     if A.dtype != x.dtype:  # fp32 adapters in a bf16 model: compute in the model's dtype
         A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)

@@ -11,10 +11,11 @@ Greedy decoding (the protocol's default) runs on the continuous-batching engine
 (:meth:`serving.stack.ServingStack.run`), one stream per served target: bf16 matrix products are not
 batch-invariant, so a row's greedy answer can change with the rows decoded beside it; keeping each
 target's rows among themselves makes its predictions independent of which other targets (methods,
-clients) an evaluation runs, e.g. the ``[base]`` row is the same in every run's table. Routed targets prefill twice
-(``exact_prefill``) so the first token also uses the routed weights, as the paper's model does. The
-engine has no beam search, so ``num_beams > 1`` (the FedDPA reference used 4) goes through
-:func:`serving.generation.generate_target` (HF ``generate``, static batches, same targets and weights).
+clients) an evaluation runs, e.g. the ``[base]`` row is the same in every run's table. Routed
+targets prefill twice (``exact_prefill``) so the first token also uses the routed weights, as the
+paper's model does. The engine has no beam search, so ``num_beams > 1`` (the FedDPA reference used 4)
+goes through :func:`serving.generation.generate_target` (HF ``generate``, static batches, same
+targets and weights).
 """
 
 from __future__ import annotations
