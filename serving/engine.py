@@ -1,26 +1,30 @@
 """The continuous-batching engine: one frozen base model, per-row adapter weights, streaming, cancel.
 
-Requests wait in a queue and join the running batch between decode steps. A joining request is
-prefilled alone (its own KV cache, so its prompt pass equals a solo run) and its cache is merged into
-the batch cache with left padding (:mod:`serving.kv`); every decode step then runs one forward over all
-rows, each with its own adapter weights through the model's adapter context (DESIGN.md, the one
-contract), so one batch mixes clients. Rows leave as soon as they finish or are cancelled.
+Requests wait in a queue and take a KV slot (:mod:`serving.kv`) when one is free. Each step then
+prefills waiting prompts in chunks — one batched forward over every admitted request's next chunk,
+at most ``max_prefill_tokens`` tokens, so a long prompt never stalls running requests for more than
+a chunk — and runs one decode step over every running request, each row with its own adapter
+weights (DESIGN.md, the one contract), so one batch mixes clients. Forwards run on the fused Llama
+runner (CUDA graphs on CUDA) or the model's own HF forward (:mod:`serving.executor`).
 
 Routing hook (FedDPA, paper 000 section 4.3): a request with ``weight_fn`` is prefilled with its
-``prefill_weights`` (the global adapter alone) and ``output_hidden_states``; the final-layer state of
-its last prompt token goes to ``weight_fn``, whose weights serve every decode step. The prompt's KV
-cache and first token therefore come from the global adapter unless ``exact_prefill`` asks for a
-second prefill with the routed weights.
+``prefill_weights`` (the global adapter alone); the final-layer state of its last prompt token goes to
+``weight_fn``, whose weights serve the decode. With ``exact_prefill`` the prompt is prefilled again
+with the routed weights, so its KV cache and first token use them too.
 
-AMoLE (paper 002 section 4.2): a request naming an AMoLE route (``<model>@<version>/<client>``, what a
-pool lease gives for an AMoLE client; :mod:`serving.amole_router`) is routed per token inside the
-layers over that client's experts. Its rows share decode steps with other clients' AMoLE rows, plain
-adapter rows and base rows (group -1 of the batch's routing). An :class:`~adapters.context.ExpertRecorder`
-counts, per layer, the top-k experts of every position that produced a generated token; the result's
-``route_info["expert_usage"]`` reports them.
+AMoLE (paper 002 section 4.2): a request naming an AMoLE route (``<model>@<version>/<client>``) is
+routed per token inside the layers over that client's experts, on the HF forward, and its response
+reports the experts its generated tokens went to (``route_info["expert_usage"]``).
+
+Failures (issue 14): an exception while prefilling, routing, sampling or decoding fails only the
+requests involved (400 when the request caused it, 500 with the request id otherwise); a request past
+``request_timeout_s`` is answered with 504. If the engine thread itself dies (a bug, a CUDA fault),
+every waiting and running request is answered at once, :meth:`Engine.health` reports the reason,
+:meth:`Engine.submit` refuses with it, and the ``on_failure`` callbacks run (the HTTP server exits
+non-zero there so its supervisor restarts it); :meth:`Engine.restart` recovers in-process.
 
 Drive it with :meth:`Engine.step` (explicit loop, tests, batch runs) or :meth:`Engine.start` (a
-background thread calling ``step``). Python use needs no HTTP::
+background thread calling ``step``)::
 
     engine = Engine(loaded, adapted)
     handle = engine.submit(GenerationRequest(prompt="Hi", sampling=SamplingParams(temperature=0)))
@@ -29,163 +33,111 @@ background thread calling ``step``). Python use needs no HTTP::
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from adapters import AdaptedModel
-from adapters.context import AMoLERouting, ExpertRecorder
 from fedmosaic.models import LoadedModel
-from serving.amole_router import AMoLEClientRoute, AMoLERegistry, batch_routing, registry_for, usage_report
-from serving.errors import AdapterNotFound, EngineNotReady, EngineOverloaded, InvalidRequest
-from serving.kv import BatchKV, cache_to_layers
-from serving.request import FinishReason, GenerationRequest, GenerationResult, RequestHandle
-from serving.sampling import TextTracker, make_generator, sample
+from serving.amole_router import AMoLEClientRoute, AMoLERegistry, registry_for
+from serving.errors import EngineNotReady, EngineOverloaded
+from serving.executor import Executor, RowOut
+from serving.kv import SlotKV
+from serving.lifecycle import EngineConfig, Lifecycle
+from serving.request import GenerationRequest, GenerationResult, RequestHandle
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
+from serving.sequence import Sequence, error_status, failed, result
 
+__all__ = ["Engine", "EngineConfig", "EngineStats"]
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine limits.
-
-    Attributes:
-        max_batch_size: rows decoded together at most; later requests wait.
-        max_model_len: prompt plus completion tokens at most per request.
-        max_waiting: queued requests at most; beyond it :meth:`Engine.submit` raises EngineOverloaded.
-    """
-
-    max_batch_size: int = 8
-    max_model_len: int = 2048
-    max_waiting: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_model_len", "max_waiting"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+logger = logging.getLogger(__name__)
+Finished = list[tuple[RequestHandle, GenerationResult]]
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for metrics: waiting and running requests, batch cache length."""
+    """A snapshot for metrics: waiting and running requests, longest sequence held in the cache."""
 
     waiting: int
     running: int
     kv_length: int
 
 
-@dataclass(eq=False)
-class _Row:
-    """A running sequence (engine-internal, mutated every step)."""
-
-    handle: RequestHandle
-    prompt_len: int
-    weights: tuple[float, ...]
-    generator: torch.Generator | None
-    tracker: TextTracker
-    info: dict[str, Any] = field(default_factory=dict)
-    output: list[int] = field(default_factory=list)
-    next_token: int = -1
-    amole: AMoLEClientRoute | None = None
-    usage: torch.Tensor | None = None  # (bundle layers, num_experts) top-k selections so far
-    layer_idx: torch.Tensor | None = None  # the bundle's layers among the engine's layer paths
-
-
-class Engine:
+class Engine(Lifecycle):
     """Continuous batching over one frozen model with named adapters.
 
     Args:
         loaded: the base model, tokenizer and compute-dtype policy.
         adapted: the injected adapter handle (None: base model only).
-        config: batch and length limits.
+        config: batch, length, time and runner settings.
         model_lock: lock held for every forward; the adapter pool holds the same lock while it
             changes the model's adapters, so a forward never sees a half-loaded adapter.
         amole: where AMoLE route names resolve (default: the model's registry, shared with its pool).
     """
 
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        adapted: AdaptedModel | None = None,
-        config: EngineConfig = EngineConfig(),
-        model_lock: threading.RLock | None = None,
-        amole: AMoLERegistry | None = None,
-    ) -> None:
-        self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
-        self.adapted = adapted
-        self.config = config
+    def __init__(self, loaded: LoadedModel, adapted: AdaptedModel | None = None, config: EngineConfig = EngineConfig(),
+                 model_lock: threading.RLock | None = None, amole: AMoLERegistry | None = None) -> None:
+        self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+        self.adapted, self.config = adapted, config
         self.model_lock = model_lock if model_lock is not None else threading.RLock()
         self.amole = amole if amole is not None else (registry_for(adapted) if adapted is not None else None)
-        self._paths = tuple(adapted.layers) if adapted is not None else ()
-        # The tokenizer's eos and the generation config's (chat models often list several).
+        param = next(self.model.parameters())
+        self.device = param.device
+        dtype = torch.bfloat16 if loaded.dtype == "autocast-bf16" else param.dtype
+        mc = self.model.config  # type: ignore[union-attr]
+        heads = int(mc.num_attention_heads)
+        head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // heads)
+        kv_heads = int(getattr(mc, "num_key_value_heads", None) or heads)
+        self.kv = SlotKV(int(mc.num_hidden_layers), config.max_batch_size, kv_heads, head_dim, config.max_model_len,
+                         dtype, self.device)
+        self.executor = Executor(self.model, adapted, self.kv, loaded.autocast, config.runner,
+                                 config.lora_slots or config.max_batch_size + 1, config.max_lora_rank,
+                                 config.cuda_graphs, config.max_batch_size)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)  # type: ignore[operator]
         eos: set[int] = set()
         for value in (getattr(self.tokenizer, "eos_token_id", None),
                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
             eos.update([value] if isinstance(value, int) else (value or []))
         self.eos_ids = frozenset(eos)
-        self._waiting: deque[tuple[RequestHandle, list[int]]] = deque()
-        self._rows: list[_Row] = []
-        self._kv = BatchKV()
+        self._waiting: deque[Sequence] = deque()
+        self._active: list[Sequence] = []
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failure: str | None = None
+        self.on_failure: list[Callable[[str], None]] = []
 
-    # --- submission ----------------------------------------------------------------------------
+    # --- submission (validation and phases in serving.lifecycle) ------------------------------------------
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue ``request``; it joins the batch at the next step.
 
         Raises:
-            InvalidRequest: the prompt is empty or too long for ``max_model_len``.
+            InvalidRequest: the prompt is empty, not valid text, holds unknown token ids, or is too long.
             AdapterNotFound: an adapter name is not loaded in the model.
             EngineOverloaded: the waiting queue is full.
-            EngineNotReady: the engine was stopped.
+            EngineNotReady: the engine is stopping, stopped or failed.
         """
+        if self.failure is not None:
+            raise EngineNotReady(f"the engine failed ({self.failure}); the server is restarting")
         if self._stopping:
-            raise EngineNotReady("the engine is stopped")
-        ids = list(request.prompt_ids) if request.prompt_ids is not None else self._encode(request.prompt or "")
-        if not ids:
-            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
-        if len(ids) >= self.config.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(ids)} tokens; this server allows {self.config.max_model_len} "
-                "tokens of prompt plus completion", param="messages")
-        loaded = set(self.adapted.configs) if self.adapted is not None else set()
-        missing = [n for n in request.adapter_names if n not in loaded and self._route(n) is None]
-        if missing:
-            raise AdapterNotFound(f"adapters {missing} are not loaded in the model")
-        self._amole_route(request)  # validates how an AMoLE route is asked for
-        handle = RequestHandle(request)
+            raise EngineNotReady("the engine is shutting down")
+        seq = self.prepare(request)
         with self._cond:
             if len(self._waiting) >= self.config.max_waiting:
                 raise EngineOverloaded(f"{len(self._waiting)} requests are already waiting; retry later")
-            self._waiting.append((handle, ids))
+            self._waiting.append(seq)
             self._cond.notify_all()
-        return handle
+        return seq.handle
 
-    def _route(self, name: str) -> AMoLEClientRoute | None:
-        return self.amole.route(name) if self.amole is not None and "/" in name else None
-
-    def _amole_route(self, request: GenerationRequest) -> AMoLEClientRoute | None:
-        """The request's AMoLE route, or None; an AMoLE route must be the only adapter, at weight 1."""
-        routes = [r for r in map(self._route, request.adapter_names) if r is not None]
-        if not routes:
-            return None
-        if len(request.adapter_names) != 1 or tuple(request.adapter_weights) != (1.0,) or request.weight_fn:
-            raise InvalidRequest("an AMoLE client routes every token itself: request it alone, at weight 1, "
-                                 "without a weight_fn", param="adapters")
-        return routes[0]
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Seq[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion (stepping here unless the background thread runs)."""
         handles = [self.submit(r) for r in requests]
         if not self.running:
@@ -195,13 +147,22 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Current queue and batch sizes."""
-        return EngineStats(waiting=len(self._waiting), running=len(self._rows), kv_length=self._kv.length)
+        held = max((s.held for s in self._active), default=0)
+        return EngineStats(waiting=len(self._waiting), running=len(self._active), kv_length=held)
 
     def has_work(self) -> bool:
         """True while requests wait or run."""
-        return bool(self._waiting or self._rows)
+        return bool(self._waiting or self._active)
 
-    # --- background thread ---------------------------------------------------------------------
+    def health(self) -> str | None:
+        """None while the engine can serve; otherwise why not."""
+        if self.failure is not None:
+            return f"the engine failed: {self.failure}"
+        if self._stopping:
+            return "the engine is shutting down"
+        return None
+
+    # --- background thread -------------------------------------------------------------------------
 
     @property
     def running(self) -> bool:
@@ -212,207 +173,192 @@ class Engine:
         """Start the background thread that calls :meth:`step` whenever there is work."""
         if self.running:
             return
+        if self.failure is not None:
+            raise EngineNotReady(f"the engine failed ({self.failure}); call restart()")
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="fedmosaic-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the thread; requests still waiting or running finish as ``cancelled``."""
+        """Refuse new requests, let running ones finish for up to ``timeout`` s, cancel the rest, stop."""
+        deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        for handle, _ in list(self._waiting):
-            handle.cancel()
-        for row in self._rows:
-            row.handle.cancel()
-        while self.has_work():
+            if self.running:
+                self._cond.wait_for(lambda: not self.has_work() or not self.running,
+                                    max(deadline - time.monotonic(), 0.0))
+        for seq in list(self._waiting) + list(self._active):
+            seq.handle.cancel()
+        thread, self._thread = self._thread, None
+        with self._cond:
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(max(deadline - time.monotonic(), 1.0))
+        while self.has_work() and self.failure is None:
             self.step()
+
+    def restart(self) -> None:
+        """Recover from a failure: forget it, reset the cache's slots, start the thread again."""
+        with self._step_lock:
+            self.failure = None
+            self.kv.reset()
+            self._stopping = False
+        self.start()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self.has_work())
-                if self._stopping:
+                self._cond.wait_for(lambda: self.has_work() or (self._stopping and self._thread is None))
+                if not self.has_work():
                     return
-            self.step()
+            try:
+                self.step()
+            except BaseException as exc:  # noqa: BLE001 - a bug or a device fault: answer everyone, report
+                self._die(exc)
+                return
+            with self._cond:
+                self._cond.notify_all()  # stop() waits for the queue to drain
 
-    # --- one step ------------------------------------------------------------------------------
+    def _die(self, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        logger.critical("the engine thread failed: %s", reason, exc_info=exc)
+        self.failure = reason
+        with self._cond:
+            seqs = list(self._waiting) + list(self._active)
+            self._waiting.clear()
+            self._active = []
+            self._cond.notify_all()
+        self.kv.reset()
+        for seq in seqs:
+            message = f"the engine failed while serving request {seq.request_id}; the server is restarting"
+            seq.handle.finish(result(seq, "error", message, 500))
+        for callback in list(self.on_failure):
+            try:
+                callback(reason)
+            except Exception:  # noqa: BLE001 - a callback must not hide the failure
+                logger.exception("an on_failure callback raised")
+
+    # --- one step ----------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admit waiting requests (prefill), run one decode step over the batch, retire finished rows.
+        """Expire and admit requests, prefill one round of chunks, decode one token for running rows.
 
         Returns:
             True while work remains.
         """
-        finished: list[tuple[RequestHandle, GenerationResult]] = []
+        finished: Finished = []
         with self._step_lock:
             with self.model_lock, torch.inference_mode():
-                self._retire_cancelled(finished)
-                self._admit(finished)
-                if self._rows:
-                    self._decode(finished)
-        # Done callbacks (e.g. releasing adapter leases) run without the model lock held.
-        for handle, result in finished:
-            handle.finish(result)
+                self._expire(finished)
+                self._admit()
+                self._prefill(finished)
+                self._decode(finished)
+            for handle, res in finished:
+                handle.finish(res)  # done callbacks (lease releases) run without the model lock
         return self.has_work()
 
-    def _forward(self, names: tuple[str, ...], weights: torch.Tensor, routing: AMoLERouting | None = None,
-                 **kwargs: Any) -> Any:
-        if self.adapted is not None and routing is not None:
-            ctx: Any = self.adapted.context.route_amole(routing, names, weights if names else None)
-        elif self.adapted is not None and names:
-            ctx = self.adapted.context.use(names, weights)
-        else:
-            ctx = contextlib.nullcontext()
-        with ctx, self.loaded.autocast():
-            return self.model(**kwargs)
+    def _end(self, seq: Sequence, res: GenerationResult, finished: Finished) -> None:
+        if seq.slot is not None:
+            self.kv.release(seq.slot)
+            seq.slot = None
+        if seq in self._active:
+            self._active.remove(seq)
+        finished.append((seq.handle, res))
 
-    def _retire_cancelled(self, finished: list[tuple[RequestHandle, GenerationResult]]) -> None:
+    def _expire(self, finished: Finished) -> None:
+        now = time.monotonic()
         with self._cond:
-            kept = deque(item for item in self._waiting if not item[0].cancel_requested)
-            for handle, ids in self._waiting:
-                if handle.cancel_requested:
-                    finished.append((handle, _empty_result(handle, len(ids), "cancelled")))
-            self._waiting = kept
-        keep = [i for i, row in enumerate(self._rows) if not row.handle.cancel_requested]
-        if len(keep) < len(self._rows):
-            for row in self._rows:
-                if row.handle.cancel_requested:
-                    finished.append((row.handle, self._result(row, "cancelled")))
-            self._rows = [self._rows[i] for i in keep]
-            self._kv.keep(keep)
-
-    def _admit(self, finished: list[tuple[RequestHandle, GenerationResult]]) -> None:
-        while len(self._rows) < self.config.max_batch_size:
-            with self._cond:
-                if not self._waiting:
-                    return
-                handle, ids = self._waiting.popleft()
-            try:
-                row, layers, logits = self._prefill(handle, ids)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the batch
-                finished.append((handle, _empty_result(handle, len(ids), "error", str(exc))))
-                continue
-            reason = self._advance(row, sample(logits, handle.request.sampling, row.generator))
-            if reason is not None:
-                finished.append((handle, self._result(row, reason)))
-                continue
-            self._rows.append(row)
-            self._kv.add(layers)
-
-    def _prefill(self, handle: RequestHandle, ids: list[int]) -> tuple[_Row, Any, torch.Tensor]:
-        """Prefill one request alone; return its row, per-layer K/V (1, H, n, D) and (V,) logits."""
-        req = handle.request
-        input_ids = torch.tensor([ids])  # (1, n)
-        weights, info = tuple(req.adapter_weights), {}
-        route = self._amole_route(req)
-        if route is not None:
-            return self._prefill_amole(handle, ids, route)
-        if req.weight_fn is not None:
-            first = tuple(req.prefill_weights if req.prefill_weights is not None else req.adapter_weights)
-            out = self._forward(req.adapter_names, torch.tensor([first]), input_ids=input_ids,
-                                use_cache=True, output_hidden_states=True, logits_to_keep=1)
-            state = out.hidden_states[-1][0, -1].float()  # (H,)
-            routed, info = req.weight_fn(state)
-            weights = tuple(float(w) for w in routed)
-            if len(weights) != len(req.adapter_names):
-                raise InvalidRequest(f"weight_fn returned {len(weights)} weights for {req.adapter_names}")
-            if req.exact_prefill:
-                out = self._forward(req.adapter_names, torch.tensor([weights]), input_ids=input_ids,
-                                    use_cache=True, logits_to_keep=1)
-        else:
-            out = self._forward(req.adapter_names, torch.tensor([weights]), input_ids=input_ids,
-                                use_cache=True, logits_to_keep=1)
-        row = _Row(handle=handle, prompt_len=len(ids), weights=weights,
-                   generator=make_generator(req.sampling),
-                   tracker=TextTracker(self.tokenizer, req.sampling.stop), info=dict(info))
-        return row, cache_to_layers(out.past_key_values), out.logits[0, -1]
-
-    def _prefill_amole(self, handle: RequestHandle, ids: list[int],
-                       route: AMoLEClientRoute) -> tuple[_Row, Any, torch.Tensor]:
-        """Prefill an AMoLE request; its last position's expert choices count for the first token."""
-        recorder = ExpertRecorder()
-        out = self._forward((), torch.zeros(1, 0), routing=batch_routing([route], recorder),
-                            input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-        index = {p: i for i, p in enumerate(self._paths)}
-        layer_idx = torch.tensor([index[p] for p in route.bundle.layers])
-        counts = recorder.counts(self._paths, route.bundle.num_experts, 1, last_token=True)[0]  # (L, E)
-        params = handle.request.sampling
-        row = _Row(handle=handle, prompt_len=len(ids), weights=(1.0,), generator=make_generator(params),
-                   tracker=TextTracker(self.tokenizer, params.stop), info=route.info(),
-                   amole=route, usage=counts[layer_idx], layer_idx=layer_idx)
-        return row, cache_to_layers(out.past_key_values), out.logits[0, -1]
-
-    def _decode(self, finished: list[tuple[RequestHandle, GenerationResult]]) -> None:
-        names: dict[str, int] = {}
-        for row in self._rows:
-            if row.amole is None:
-                for name in row.handle.request.adapter_names:
-                    names.setdefault(name, len(names))
-        weights = torch.zeros(len(self._rows), len(names))  # (B, K) over the union of the plain rows' adapters
-        for b, row in enumerate(self._rows):
-            if row.amole is None:
-                for name, w in zip(row.handle.request.adapter_names, row.weights, strict=True):
-                    weights[b, names[name]] = w
-        routes = [row.amole for row in self._rows]
-        recorder = ExpertRecorder() if any(r is not None for r in routes) else None
-        input_ids = torch.tensor([[row.next_token] for row in self._rows])  # (B, 1)
-        out = self._forward(tuple(names), weights, routing=batch_routing(routes, recorder), input_ids=input_ids,
-                            attention_mask=self._kv.step_mask(), position_ids=self._kv.next_positions(),
-                            past_key_values=self._kv.as_hf_cache(), use_cache=True)
-        self._kv.after_step(out.past_key_values)
-        if recorder is not None:
-            experts = max(r.bundle.num_experts for r in routes if r is not None)
-            counts = recorder.counts(self._paths, experts, len(self._rows))  # (B, L, E_max)
-            for b, row in enumerate(self._rows):
-                if row.amole is not None and row.usage is not None:
-                    row.usage += counts[b, row.layer_idx, : row.amole.bundle.num_experts]
-        logits = out.logits[:, -1]  # (B, V)
-        keep: list[int] = []
-        for b, row in enumerate(self._rows):
-            reason = self._advance(row, sample(logits[b], row.handle.request.sampling, row.generator))
-            if reason is None:
-                keep.append(b)
+            gone = [s for s in self._waiting if s.handle.cancel_requested or (s.deadline or now + 1) <= now]
+            for seq in gone:
+                self._waiting.remove(seq)
+        for seq in gone + [s for s in self._active if s.handle.cancel_requested or (s.deadline or now + 1) <= now]:
+            if seq.handle.cancel_requested:
+                self._end(seq, result(seq, "cancelled"), finished)
             else:
-                finished.append((row.handle, self._result(row, reason)))
-        if len(keep) < len(self._rows):
-            self._rows = [self._rows[b] for b in keep]
-            self._kv.keep(keep)
+                message = f"the request exceeded the server's deadline of {self.config.request_timeout_s} s"
+                self._end(seq, result(seq, "error", message, 504), finished)
 
-    def _advance(self, row: _Row, token: int) -> FinishReason | None:
-        """Record one generated token, stream its text, and say whether the row is finished."""
-        params = row.handle.request.sampling
-        row.output.append(token)
-        if token in self.eos_ids and not params.ignore_eos:
-            row.handle.push(row.tracker.flush())
-            return "stop"
-        delta, stopped = row.tracker.push(token)
-        row.handle.push(delta)
-        if stopped:
-            return "stop"
-        if len(row.output) >= params.max_tokens or row.prompt_len + len(row.output) >= self.config.max_model_len:
-            row.handle.push(row.tracker.flush())
-            return "length"
-        row.next_token = token
-        return None
+    def _admit(self) -> None:
+        while self._waiting and self.kv.free_slots:
+            with self._cond:
+                seq = self._waiting.popleft()
+            seq.slot = self.kv.allocate()
+            self._active.append(seq)
+            self.begin_prefill(seq)
 
-    def _result(self, row: _Row, reason: FinishReason) -> GenerationResult:
-        req = row.handle.request
-        if row.amole is not None and row.usage is not None:
-            row.info["expert_usage"] = usage_report(row.amole, row.usage, len(row.output))
-        return GenerationResult(
-            request_id=req.request_id, text=row.tracker.text[: row.tracker.emitted] if reason == "cancelled"
-            else row.tracker.text, token_ids=tuple(row.output), finish_reason=reason,
-            prompt_tokens=row.prompt_len, completion_tokens=len(row.output), adapter_names=req.adapter_names,
-            adapter_weights=row.weights, route_info=row.info)
+    def _prefill(self, finished: Finished) -> None:
+        budget = self.config.max_prefill_tokens
+        plain: list[tuple[Sequence, PrefillRow]] = []
+        solo: list[tuple[Sequence, PrefillRow]] = []  # AMoLE rows: alone, so their last token is the last column
+        for seq in [s for s in self._active if s.phase in ("route", "fill")]:
+            if budget <= 0:
+                break
+            n = min(len(seq.ids) - seq.filled, budget)
+            budget -= n
+            row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
+                             seq.adapters, want_state=seq.phase == "route")
+            (plain if seq.adapters.plain else solo).append((seq, row))
+        groups = ([plain] if plain else []) + [[item] for item in solo]
+        for group in groups:
+            outs = self.executor.prefill([row for _, row in group])
+            done: list[tuple[Sequence, RowOut]] = []
+            for (seq, row), out in zip(group, outs, strict=True):
+                if isinstance(out, Exception):
+                    self._fail(seq, out, finished)
+                    continue
+                seq.filled = row.end
+                try:
+                    if seq.filled == len(seq.ids) and self.prefilled(seq, out):
+                        done.append((seq, out))
+                except Exception as exc:  # noqa: BLE001 - a failing router fails its request only
+                    self._fail(seq, exc, finished)
+            self._first_tokens(done, finished)
 
+    def _first_tokens(self, done: list[tuple[Sequence, RowOut]], finished: Finished) -> None:
+        if not done:
+            return
+        for seq, out in done:
+            if seq.amole is not None and out.counts is not None and seq.layer_idx is not None:
+                seq.usage = out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
+        self._sampled([s for s, _ in done], [o.logits for _, o in done], finished)
 
-def _empty_result(handle: RequestHandle, prompt_tokens: int, reason: FinishReason,
-                  error: str | None = None) -> GenerationResult:
-    req = handle.request
-    return GenerationResult(request_id=req.request_id, text="", token_ids=(), finish_reason=reason,
-                            prompt_tokens=prompt_tokens, completion_tokens=0, adapter_names=req.adapter_names,
-                            adapter_weights=tuple(req.adapter_weights), error=error)
+    def _decode(self, finished: Finished) -> None:
+        seqs = [s for s in self._active if s.phase == "decode" and s.output]
+        if not seqs:
+            return
+        rows = [DecodeRow(s.slot, s.next_token, s.position, s.adapters) for s in seqs]  # type: ignore[arg-type]
+        outs = self.executor.decode(rows)
+        ok: list[tuple[Sequence, RowOut]] = []
+        for seq, out in zip(seqs, outs, strict=True):
+            if isinstance(out, Exception):
+                self._fail(seq, out, finished)
+            else:
+                ok.append((seq, out))
+                if seq.amole is not None and out.counts is not None and seq.usage is not None:
+                    seq.usage += out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
+        self._sampled([s for s, _ in ok], [o.logits for _, o in ok], finished)
+
+    def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None:
+        tokens = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs])
+        for seq, token in zip(seqs, tokens, strict=True):
+            if isinstance(token, Exception):
+                self._fail(seq, token, finished)
+                continue
+            reason = self.advance(seq, token)
+            if reason is not None:
+                self._end(seq, result(seq, reason), finished)
+
+    def _fail(self, seq: Sequence, exc: Exception, finished: Finished) -> None:
+        if error_status(exc) == 500:
+            logger.error("request %s failed", seq.request_id, exc_info=exc)
+        self._end(seq, failed(seq, exc), finished)
+
+    def _route(self, name: str) -> AMoLEClientRoute | None:
+        return self.amole.route(name) if self.amole is not None and "/" in name else None
+
+    def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters:
+        """The adapters a phase of ``seq`` runs with (its AMoLE route, or its names at ``weights``)."""
+        if seq.amole is not None:
+            return RowAdapters(amole=seq.amole)
+        return RowAdapters(tuple(seq.handle.request.adapter_names), weights)

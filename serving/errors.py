@@ -53,4 +53,12 @@ class EngineOverloaded(ServingError):
 
 
 class EngineNotReady(ServingError):
-    """The engine is still loading or has stopped (HTTP 503)."""
+    """The engine is still loading, shutting down, stopped or failed (HTTP 503)."""
+
+
+class GenerationFailed(ServingError):
+    """The server failed while generating one request (HTTP 500; the message names the request id)."""
+
+
+class RequestTimedOut(ServingError):
+    """The request outlived the server's deadline and was cancelled (HTTP 504)."""

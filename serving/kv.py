@@ -1,99 +1,108 @@
-"""The running batch's KV cache: one left-padded tensor pair per layer, rows added and removed by index.
+"""The engine's KV cache: preallocated slots per layer, written in place, one slot per sequence.
 
-Continuous batching needs rows of different lengths in one cache. Each request is prefilled alone
-(its own cache, no padding, so its prefill equals a solo run), then its per-layer K/V are merged into
-the batch cache: both sides are left-padded to the longer length and an attention mask (B, L) marks
-the real slots. Finished rows are dropped by index, and leading columns that became padding in every
-row are trimmed so the cache never grows past the longest live sequence. Position ids are per row:
-the count of real tokens so far, so a row's positions are exactly those of a solo run.
+Every running or prefilling request owns one slot; its keys and values for positions ``0..n-1`` live
+at ``k[layer][slot, :, :n]`` (vLLM's idea of a cache managed apart from the model, without its
+paging: a slot is a contiguous row, so a decode step never copies the cache, it only writes each
+row's new position). The last slot is scratch: padded batch rows and padding tokens write there, so
+a padded batch (a CUDA graph bucket, a right-padded prefill chunk) never touches a real sequence.
+
+On CUDA the buffers are allocated at full length once (their addresses must stay fixed for captured
+CUDA graphs); on the CPU they start short and double on demand up to ``max_len``, so a server with a
+2048-token limit does not hold 2048 positions per slot until a request needs them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from transformers import DynamicCache
 
-# One (K, V) pair per decoder layer, each (B, H_kv, L, D).
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+from serving.errors import InvalidRequest
 
 
-def cache_to_layers(cache: DynamicCache) -> LayerKV:
-    """Return the (K, V) tensors of every layer of an HF :class:`DynamicCache`."""
-    return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[attr-defined]
+class SlotKV:
+    """Per-layer K and V buffers ``(slots + 1, kv_heads, capacity, head_dim)`` and slot bookkeeping.
 
+    Args:
+        num_layers: decoder layers.
+        num_slots: sequences held at once (the scratch slot comes on top).
+        kv_heads: key/value heads per layer.
+        head_dim: dimension of one head.
+        max_len: positions a slot may hold at most (prompt plus completion).
+        dtype: the cache dtype (the activations' dtype).
+        device: where the buffers live (the model's device).
+        grow: start small and double the capacity on demand (False: allocate ``max_len`` now).
+    """
 
-def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - x.shape[dim]
-    if missing <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device, grow: bool | None = None) -> None:
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"num_slots and max_len must be >= 1, got {num_slots} and {max_len}")
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.num_slots = num_slots
+        self.scratch = num_slots  # index of the scratch slot
+        self.max_len = max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self.grow = self.device.type == "cpu" if grow is None else grow
+        capacity = min(max_len, 256) if self.grow else max_len
+        try:
+            self.k = [self._buffer(capacity) for _ in range(num_layers)]
+            self.v = [self._buffer(capacity) for _ in range(num_layers)]
+        except torch.OutOfMemoryError as exc:
+            gib = self.bytes_for(max_len) / 2**30
+            raise RuntimeError(f"the KV cache ({num_slots} slots x {max_len} positions, {gib:.1f} GiB) does not "
+                               "fit on the device; lower --max-batch-size or --max-model-len") from exc
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
 
+    def _buffer(self, capacity: int) -> torch.Tensor:
+        shape = (self.num_slots + 1, self.kv_heads, capacity, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-class BatchKV:
-    """KV cache of the running batch (rows in the order of the engine's row list)."""
-
-    def __init__(self) -> None:
-        self.layers: LayerKV = []
-        self.mask = torch.zeros(0, 0, dtype=torch.long)  # (B, L): 1 on real slots
+    def bytes_for(self, length: int) -> int:
+        """Bytes the K and V buffers take at ``length`` positions per slot."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * (self.num_slots + 1) * self.kv_heads * length * self.head_dim * itemsize
 
     @property
-    def rows(self) -> int:
-        return int(self.mask.shape[0])
+    def capacity(self) -> int:
+        """Positions every slot can hold now."""
+        return int(self.k[0].shape[2])
 
     @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
+    def free_slots(self) -> int:
+        """Slots not owned by a sequence."""
+        return len(self._free)
 
-    def add(self, layers: LayerKV) -> None:
-        """Append one or more rows whose caches have no padding (a solo prefill), as the last rows."""
-        new_len = int(layers[0][0].shape[2])
-        new_rows = int(layers[0][0].shape[0])
-        new_mask = torch.ones(new_rows, new_len, dtype=torch.long)
-        if self.rows == 0:
-            self.layers, self.mask = [(k, v) for k, v in layers], new_mask
+    def allocate(self) -> int | None:
+        """Take a free slot (the lowest), or None when every slot is owned."""
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        """Give a slot back (its contents are simply overwritten by the next owner)."""
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not owned")
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def reset(self) -> None:
+        """Forget every owner (after an engine failure); buffers are kept."""
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def ensure(self, length: int) -> None:
+        """Make every slot hold at least ``length`` positions (doubling; only when ``grow``).
+
+        Raises:
+            InvalidRequest: ``length`` exceeds ``max_len``.
+        """
+        if length > self.max_len:
+            raise InvalidRequest(f"{length} positions exceed the engine's max_model_len of {self.max_len}")
+        if length <= self.capacity:
             return
-        length = max(self.length, new_len)
-        merged: LayerKV = []
-        for (k_old, v_old), (k_new, v_new) in zip(self.layers, layers, strict=True):
-            k = torch.cat([_left_pad(k_old, length, 2), _left_pad(k_new.to(k_old.dtype), length, 2)])
-            v = torch.cat([_left_pad(v_old, length, 2), _left_pad(v_new.to(v_old.dtype), length, 2)])
-            merged.append((k, v))
-        self.layers = merged
-        self.mask = torch.cat([_left_pad(self.mask, length, 1), _left_pad(new_mask, length, 1)])
-
-    def keep(self, rows: Sequence[int]) -> None:
-        """Keep only ``rows`` (in that order) and trim columns that are padding in every kept row."""
-        if not rows:
-            self.layers, self.mask = [], torch.zeros(0, 0, dtype=torch.long)
-            return
-        index = torch.tensor(list(rows), dtype=torch.long)
-        mask = self.mask.index_select(0, index)
-        real = mask.any(dim=0).nonzero()
-        start = int(real[0]) if real.numel() else 0
-        self.mask = mask[:, start:]
-        self.layers = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
-                       for k, v in self.layers]
-
-    def next_positions(self) -> torch.Tensor:
-        """(B, 1) position id of each row's next token (its real length so far)."""
-        return self.mask.sum(dim=1, keepdim=True)
-
-    def step_mask(self) -> torch.Tensor:
-        """(B, L + 1) attention mask of a decode step (every row adds one real token)."""
-        return torch.cat([self.mask, torch.ones(self.rows, 1, dtype=torch.long)], dim=1)
-
-    def as_hf_cache(self) -> DynamicCache:
-        """Wrap the tensors in an HF cache for one forward (HF appends the new step's K/V to it)."""
-        cache = DynamicCache()
-        for i, (k, v) in enumerate(self.layers):
-            cache.update(k, v, i)
-        return cache
-
-    def after_step(self, cache: DynamicCache) -> None:
-        """Take the cache back after a decode step: every row gained one real slot."""
-        self.layers = cache_to_layers(cache)
-        self.mask = self.step_mask()
+        if not self.grow:  # allocated at max_len: unreachable unless max_len was exceeded
+            raise InvalidRequest(f"{length} positions exceed the cache capacity {self.capacity}")
+        new = self.capacity
+        while new < length:
+            new = min(2 * new, self.max_len)
+        for buffers in (self.k, self.v):
+            for i, old in enumerate(buffers):
+                fresh = self._buffer(new)
+                fresh[:, :, : old.shape[2]] = old
+                buffers[i] = fresh

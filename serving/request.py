@@ -90,6 +90,8 @@ class GenerationResult:
         adapter_weights: the weights the decode used (after routing).
         route_info: what ``weight_fn`` reported (empty without routing).
         error: the message when ``finish_reason`` is ``error``.
+        error_status: with an error, the HTTP-neutral status: 400 the request caused it, 500 the
+            server failed (the message names the request id), 504 the server's deadline passed.
     """
 
     request_id: str
@@ -102,6 +104,7 @@ class GenerationResult:
     adapter_weights: tuple[float, ...] = ()
     route_info: Mapping[str, Any] = field(default_factory=dict)
     error: str | None = None
+    error_status: int | None = None
 
 
 class RequestHandle:

@@ -1,17 +1,27 @@
-"""Sampling: the per-request decoding parameters and the logits -> next-token rule.
+"""Sampling: per-request decoding parameters and the batched logits -> next-tokens rule.
 
-Temperature 0 is greedy (argmax, as HF ``generate(do_sample=False)``); otherwise logits are divided by
-the temperature, filtered by top-k then top-p (nucleus, Holtzman et al. 2020), and one token is drawn
-with the request's own ``torch.Generator`` so a seed reproduces a completion whatever else shares the
-batch. Stop strings are matched on decoded text by :mod:`serving.request`, not here.
+Temperatures below :data:`GREEDY_BELOW` are greedy (argmax, as HF ``generate(do_sample=False)`` and
+as vLLM treats tiny temperatures: dividing by 1e-45 overflows to inf and NaN probabilities).
+Otherwise logits are divided by the temperature, filtered by top-k then top-p (nucleus, Holtzman et
+al. 2020), and each sampled row draws its token with its own ``torch.Generator`` on the model's
+device (an exponential race over the probabilities, equivalent to a categorical draw), so a seed
+reproduces a completion on a given device whatever else shares the batch. The whole batch is
+sampled on the device and read back with one transfer per step. Stop strings are matched on
+decoded text by :class:`TextTracker`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -20,11 +30,12 @@ class SamplingParams:
 
     Attributes:
         max_tokens: generated tokens at most (finish reason ``length`` when reached).
-        temperature: 0 is greedy; otherwise the softmax temperature (> 0).
+        temperature: below 1e-5 is greedy; otherwise the softmax temperature.
         top_p: nucleus mass in (0, 1]; 1 keeps every token.
         top_k: keep the k most likely tokens; 0 keeps every token.
-        stop: strings that end the completion; the first match and what follows are trimmed.
-        seed: seeds the request's generator; None draws a fresh seed.
+        stop: up to 16 strings of at most 256 characters that end the completion; the first match
+            and what follows are trimmed.
+        seed: seeds the request's generator (a 64-bit integer); None draws a fresh seed.
         ignore_eos: keep decoding past the end-of-sequence token (benchmarks).
     """
 
@@ -45,62 +56,89 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         """True when decoding takes the argmax."""
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """Return the request's CPU generator (None for greedy: nothing random is drawn)."""
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """Return the request's generator on ``device`` (None for greedy: nothing random is drawn)."""
     if params.greedy:
         return None
     seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (V,) logits outside the top-k and the top-p nucleus with -inf."""
-    logits = logits.clone()
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits[logits < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token once the mass before it already reaches top_p; the most likely always stays.
-        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        logits[order[drop]] = float("-inf")
-    return logits
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (B, V) logits outside each row's top-k and top-p nucleus with -inf.
+
+    Args:
+        logits: (B, V) already divided by the temperatures.
+        top_k: (B,) long, 0 keeps every token.
+        top_p: (B,) float in (0, 1].
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)  # (1, V)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab)).unsqueeze(1)
+    drop = rank >= k
+    # the k-th value ties are kept, as a value threshold would
+    kth = sorted_logits.gather(1, (k - 1).clamp(min=0))
+    drop &= sorted_logits < kth
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # drop a token once the mass before it already reaches top_p; the most likely always stays
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> list[int]:
+    """Pick the next token of every row of ``logits`` (B, V); one device-to-host read.
+
+    Args:
+        logits: (B, V) next-token logits.
+        params: each row's sampling parameters.
+        generators: each row's generator (None for greedy rows), on the logits' device.
+    """
+    logits = logits.float()
+    tokens = torch.argmax(logits, dim=-1)  # (B,): greedy rows keep this
+    sampled = [b for b, p in enumerate(params) if not p.greedy]
+    if sampled:
+        dev = logits.device
+        index = torch.tensor(sampled, device=dev)
+        temps = torch.tensor([params[b].temperature for b in sampled], device=dev).unsqueeze(1)
+        rows = logits.index_select(0, index) / temps  # (S, V)
+        if any(params[b].top_k > 0 or params[b].top_p < 1 for b in sampled):
+            rows = filter_logits(rows, torch.tensor([params[b].top_k for b in sampled], device=dev),
+                                 torch.tensor([params[b].top_p for b in sampled], device=dev))
+        probs = torch.softmax(rows, dim=-1)  # (S, V)
+        noise = torch.stack([torch.empty(rows.shape[1], device=dev).exponential_(generator=generators[b])
+                             for b in sampled])  # (S, V), each row from its own generator
+        tokens = tokens.index_copy(0, index, torch.argmax(probs / noise, dim=-1))
+    return tokens.tolist()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token id from one row's (V,) logits.
-
-    Args:
-        logits: (V,) next-token logits of one sequence.
-        params: its sampling parameters.
-        generator: its generator (ignored when greedy).
-
-    Returns:
-        The chosen token id.
-    """
-    logits = logits.float()
-    if params.greedy:
-        return int(torch.argmax(logits).item())
-    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(scaled, dim=-1)  # (V,)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """Pick the next token id from one row's (V,) logits (see :func:`sample_batch`)."""
+    return sample_batch(logits.unsqueeze(0), [params], [generator])[0]
 
 
 class TextTracker:
     """Incremental detokenization with stop strings, for streaming deltas that never need retracting.
 
-    The whole completion is decoded after every token (byte-level BPE decoding is prefix-stable), and
-    text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or in a prefix of a stop
+    Only a window of the latest tokens is decoded per token (vLLM's prefix/read offsets): the text of
+    ``ids[prefix:]`` minus that of ``ids[prefix:read]`` is the new text, and the window moves on once
+    it decodes to complete characters, so a long completion costs O(1) per token, not O(length).
+    Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or in a prefix of a stop
     string, so a client never sees half a character or the start of a stop string.
     """
 
@@ -110,14 +148,23 @@ class TextTracker:
         self.ids: list[int] = []
         self.text = ""
         self.emitted = 0
+        self._prefix = 0
+        self._read = 0
         self._longest = max((len(s) for s in stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add one generated token; return (text delta to emit, True when a stop string matched)."""
         self.ids.append(token_id)
         previous = len(self.text)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-        if self.stop:
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        if self.stop and len(self.text) > previous:
             start = max(0, previous - self._longest)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
@@ -126,13 +173,15 @@ class TextTracker:
         return self._emit(self._safe_length()), False
 
     def flush(self) -> str:
-        """Return the text not yet emitted (at the end of the request)."""
+        """Return the text not yet emitted (at the end of the request), pending bytes included."""
+        if self._read < len(self.ids):
+            tail = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]
+            self.text += tail
+            self._prefix = self._read = len(self.ids)
         return self._emit(len(self.text))
 
     def _safe_length(self) -> int:
         end = len(self.text)
-        while end > self.emitted and self.text[end - 1] == "\ufffd":
-            end -= 1
         hold = 0
         for s in self.stop:
             for n in range(min(len(s) - 1, end), 0, -1):

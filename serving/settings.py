@@ -29,6 +29,11 @@ class ServeSettings(BaseSettings):
     max_batch_size: int = Field(8, ge=1)
     max_model_len: int = Field(2048, ge=2)
     max_waiting: int = Field(64, ge=1, description="queued requests before 429")
+    max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per engine step (chunked)")
+    request_timeout_s: float | None = Field(600.0, gt=0, description="deadline of a request (504 beyond); null: none")
+    shutdown_timeout_s: float = Field(10.0, ge=0, description="on shutdown, running requests get this long to finish")
+    exit_on_engine_failure: bool = Field(True, description="exit with status 70 when the engine thread dies, so "
+                                         "a supervisor restarts the server")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(128, ge=1)
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body (413 beyond)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,7 +36,8 @@ def stack_config(settings: ServeSettings) -> StackConfig:
         model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, run_dir=s.run_dir,
         adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
         max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
-                                                   max_waiting=s.max_waiting),
+                                                   max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
+                                                   request_timeout_s=s.request_timeout_s),
         feddpa_routing=s.feddpa_routing, feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]
         default_alpha=s.default_alpha, check_base=s.check_base)
 
@@ -48,9 +51,31 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     state.resolver = stack.resolver
     state.engine, state.pool, state.run = engine, pool, stack.run_info
     state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count)
+    if state.settings.exit_on_engine_failure:
+        engine.on_failure.append(_exit_soon)
     engine.start()
     state.created = int(time.time())
     state.ready = True
+
+
+ENGINE_FAILED_EXIT = 70  # EX_SOFTWARE: the process exits so that its supervisor starts a fresh one
+
+
+def _exit_soon(reason: str, grace_s: float = 2.0) -> None:
+    """Exit the process after ``grace_s`` (error responses already answered get flushed meanwhile).
+
+    A dead engine thread usually means a device fault (a CUDA error leaves the context unusable) or a
+    bug; a fresh process is the only reliable recovery, so the server exits with status 70 and relies
+    on its supervisor (Docker's restart policy, systemd, Kubernetes) while ``/health`` says 503.
+    """
+
+    def go() -> None:
+        time.sleep(grace_s)
+        logger.critical("exiting with status %d: %s", ENGINE_FAILED_EXIT, reason)
+        logging.shutdown()
+        os._exit(ENGINE_FAILED_EXIT)
+
+    threading.Thread(target=go, name="fedmosaic-exit", daemon=True).start()
 
 
 def _build_logged(state: ServerState, router: WeightRouter | None) -> None:
@@ -121,7 +146,8 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
         finally:
             await loading
             if state.engine is not None:
-                state.engine.stop()
+                await asyncio.get_running_loop().run_in_executor(None, state.engine.stop,
+                                                                 settings.shutdown_timeout_s)
 
     app = FastAPI(title="fedmosaic", version="0.1.0", lifespan=lifespan)
     app.state.server = state

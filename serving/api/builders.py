@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from serving.errors import EngineNotReady, InvalidRequest
+from serving.errors import EngineNotReady, GenerationFailed, InvalidRequest, RequestTimedOut
 from serving.request import GenerationResult
 from serving.sampling import SamplingParams
 from serving.targets import TargetPlan
@@ -83,9 +83,21 @@ def extension(plan: TargetPlan, result: GenerationResult | None) -> dict[str, An
 
 
 def finish_reason(result: GenerationResult) -> str:
-    """The OpenAI finish reason (an engine error or shutdown surfaces as an exception)."""
+    """The OpenAI finish reason; an engine error, deadline or shutdown surfaces as its domain error.
+
+    Raises:
+        InvalidRequest: the request caused the failure (400).
+        RequestTimedOut: the server's deadline passed (504).
+        GenerationFailed: the server failed (500; the message names the request id).
+        EngineNotReady: the request was cancelled by a shutdown (503).
+    """
     if result.finish_reason == "error":
-        raise RuntimeError(f"generation failed: {result.error}")
+        message = result.error or f"generation of request {result.request_id} failed"
+        if result.error_status == 400:
+            raise InvalidRequest(message)
+        if result.error_status == 504:
+            raise RequestTimedOut(message)
+        raise GenerationFailed(message)
     if result.finish_reason == "cancelled":
         raise EngineNotReady("the request was cancelled (server shutting down)")
     return result.finish_reason

@@ -32,13 +32,16 @@ _DOMAIN: tuple[tuple[type[Exception], int, str, str], ...] = (
     (errors.NoFreeSlot, 503, "ServiceUnavailableError", "no_free_adapter_slot"),
     (errors.EngineOverloaded, 429, "RateLimitError", "overloaded"),
     (errors.EngineNotReady, 503, "ServiceUnavailableError", "not_ready"),
+    (errors.RequestTimedOut, 504, "GatewayTimeoutError", "timeout"),
+    (errors.GenerationFailed, 500, "InternalServerError", "internal_error"),
     (errors.InvalidRequest, 400, "BadRequestError", "invalid_request"),
     (AdapterError, 400, "BadRequestError", "invalid_adapter"),
     (ValueError, 400, "BadRequestError", "invalid_request"),
 )
 
 _HTTP = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-         405: "MethodNotAllowed", 413: "RequestTooLarge", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+         405: "MethodNotAllowed", 413: "RequestTooLarge", 429: "RateLimitError", 503: "ServiceUnavailableError",
+         504: "GatewayTimeoutError"}
 
 
 def envelope(status: int, message: str, type_: str, code: str | None, param: str | None = None,

@@ -41,7 +41,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1)
     n: int = Field(1, ge=1, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     adapters: list[AdapterWeight] | None = Field(None, max_length=16)
@@ -50,8 +50,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes at most 4 non-empty strings")
+        if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
+            raise ValueError("stop takes at most 4 non-empty strings of at most 256 characters")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:

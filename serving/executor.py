@@ -1,0 +1,158 @@
+"""Runs the engine's forwards on the right runner and keeps a failure to the rows that caused it.
+
+Each prefill chunk batch or decode step goes to the fused Llama runner when every row can run there
+(plain per-row adapter weights that fit its adapter slots), as a captured CUDA graph on CUDA, and to
+the model's own HF forward otherwise (AMoLE token routing, other architectures, too many adapters).
+If a batched forward or the batched sampling raises, each row is run alone, so only the rows that
+fail alone get an error (issue 14: one request never stops the others). Errors that leave the device
+unusable (a CUDA fault) are not contained: they propagate and stop the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from adapters import AdaptedModel
+from serving import kernels
+from serving.kv import SlotKV
+from serving.runner.graphs import DecodeGraphs
+from serving.runner.hf import HFRunner
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
+from serving.runner.llama import LlamaRunner, unsupported_reason
+from serving.sampling import SamplingParams, sample_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowOut:
+    """One row's share of a forward: logits (V,), final-layer state (H,), AMoLE counts (L, E)."""
+
+    logits: torch.Tensor
+    state: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """True for errors after which the device cannot be trusted (CUDA faults): stop, do not isolate."""
+    accelerator = getattr(torch, "AcceleratorError", None)
+    return (accelerator is not None and isinstance(accelerator, type) and isinstance(exc, accelerator)) or \
+        "CUDA error" in str(exc)
+
+
+class Executor:
+    """The engine's runners over one KV cache.
+
+    Args:
+        model: the HF causal LM.
+        adapted: its adapter handle (None: base model only).
+        kv: the engine's slots.
+        autocast: factory of the compute context.
+        runner: ``auto`` (fused when the model allows), ``fused`` (required) or ``hf``.
+        lora_slots: adapter slots of the fused runner.
+        max_lora_rank: largest adapter rank the fused runner serves.
+        cuda_graphs: capture decode steps on CUDA (needs the Triton kernels).
+        max_batch: the engine's largest batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, adapted: AdaptedModel | None, kv: SlotKV,
+                 autocast: Callable[[], Any], runner: str = "auto", lora_slots: int = 9, max_lora_rank: int = 16,
+                 cuda_graphs: bool = True, max_batch: int = 8) -> None:
+        self.adapted = adapted
+        self.paths = tuple(adapted.layers) if adapted is not None else ()
+        self.hf = HFRunner(model, adapted, kv, autocast)
+        self.fast: LlamaRunner | None = None
+        self.graphs: DecodeGraphs | None = None
+        reason = "disabled" if runner == "hf" else unsupported_reason(model, kv.max_len)
+        if reason is None:
+            self.fast = LlamaRunner(model, adapted, kv, autocast, lora_slots, max_lora_rank)
+        elif runner == "fused":
+            raise ValueError(f"runner 'fused' cannot serve this model: {reason}")
+        else:
+            logger.info("serving with the HF forward (%s)", reason)
+        if self.fast is not None and cuda_graphs and kv.device.type == "cuda" and kernels.capturable(kv.device):
+            self.graphs = DecodeGraphs(self.fast, max_batch)
+
+    def runner_name(self, adapters: Sequence[RowAdapters]) -> str:
+        """Which runner a batch of rows would use."""
+        return "fused" if self.fast is not None and self.fast.supports(adapters) else "hf"
+
+    # --- forwards --------------------------------------------------------------------------------
+
+    def _counts(self, out: StepOutput, adapters: Sequence[RowAdapters], last_token: bool) -> torch.Tensor | None:
+        """(B, L, E_max) top-k selections of the AMoLE rows' counted positions, or None without AMoLE rows."""
+        widths = [a.amole.bundle.num_experts for a in adapters if a.amole is not None]
+        if out.recorder is None or not widths:
+            return None
+        return out.recorder.counts(self.paths, max(widths), len(adapters), last_token=last_token)
+
+    def _prefill(self, rows: Sequence[PrefillRow]) -> list[RowOut]:
+        fast = self.fast is not None and self.fast.supports([r.adapters for r in rows])
+        out = self.fast.prefill(rows) if fast else self.hf.prefill(rows)  # type: ignore[union-attr]
+        counts = self._counts(out, [r.adapters for r in rows], last_token=True)
+        return [RowOut(out.logits[b], out.states[b] if out.states is not None else None,
+                       counts[b] if counts is not None else None) for b in range(len(rows))]
+
+    def _decode(self, rows: Sequence[DecodeRow]) -> list[RowOut]:
+        adapters = [r.adapters for r in rows]
+        out: StepOutput | None = None
+        if self.fast is not None and self.fast.supports(adapters):
+            out = self.graphs.decode(rows) if self.graphs is not None else None
+            out = out if out is not None else self.fast.decode(rows)
+        else:
+            out = self.hf.decode(rows)
+        counts = self._counts(out, adapters, last_token=False)
+        return [RowOut(out.logits[b], None, counts[b] if counts is not None else None) for b in range(len(rows))]
+
+    def _isolated(self, fn: Callable[[Sequence[Any]], list[RowOut]], rows: Sequence[Any]) -> list[RowOut | Exception]:
+        try:
+            return list(fn(rows))
+        except Exception as exc:  # noqa: BLE001 - contained per row below
+            if is_fatal(exc):
+                raise
+            if len(rows) == 1:
+                return [exc]
+            logger.warning("a batch of %d rows failed (%s: %s); running each alone", len(rows), type(exc).__name__, exc)
+        outs: list[RowOut | Exception] = []
+        for row in rows:
+            try:
+                outs.extend(fn([row]))
+            except Exception as exc:  # noqa: BLE001
+                if is_fatal(exc):
+                    raise
+                outs.append(exc)
+        return outs
+
+    def prefill(self, rows: Sequence[PrefillRow]) -> list[RowOut | Exception]:
+        """Prefill every row's chunk (one forward); per row its output or the exception it raised alone."""
+        return self._isolated(self._prefill, rows)
+
+    def decode(self, rows: Sequence[DecodeRow]) -> list[RowOut | Exception]:
+        """One decode step over ``rows``; per row its output or the exception it raised alone."""
+        return self._isolated(self._decode, rows)
+
+    @staticmethod
+    def sample(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None]) -> list[int | Exception]:
+        """Next token of each row (one device read); a row whose sampling fails alone gets its exception."""
+        if not logits:
+            return []
+        try:
+            return list(sample_batch(torch.stack(list(logits)), params, generators))
+        except Exception as exc:  # noqa: BLE001
+            if is_fatal(exc):
+                raise
+        outs: list[int | Exception] = []
+        for row, p, g in zip(logits, params, generators, strict=True):
+            try:
+                outs.append(sample_batch(row.unsqueeze(0), [p], [g])[0])
+            except Exception as exc:  # noqa: BLE001
+                if is_fatal(exc):
+                    raise
+                outs.append(exc)
+        return outs

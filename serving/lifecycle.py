@@ -1,0 +1,180 @@
+"""The engine's settings and a request's life: validation, prefill phases, routing, each new token.
+
+:class:`Lifecycle` is the engine's half that needs no scheduling: it turns a
+:class:`~serving.request.GenerationRequest` into a validated :class:`~serving.sequence.Sequence`,
+chooses the prefill phases (a FedDPA request first prefills with its prefill weights and hands its
+final-layer state to ``weight_fn``, paper 000 section 4.3), and records every sampled token (stop
+strings, end of sequence, length limits).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from serving.errors import AdapterNotFound, InvalidRequest
+from serving.request import FinishReason, GenerationRequest, RequestHandle
+from serving.sampling import TextTracker, make_generator
+from serving.sequence import Sequence
+
+if TYPE_CHECKING:
+    from serving.executor import RowOut
+    from serving.runner.inputs import RowAdapters
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and runner choices.
+
+    Attributes:
+        max_batch_size: sequences held at once (KV slots); later requests wait.
+        max_model_len: prompt plus completion tokens at most per request.
+        max_waiting: queued requests at most; beyond it :meth:`Engine.submit` raises EngineOverloaded.
+        max_prefill_tokens: prompt tokens prefilled per step (chunked prefill): bounds how long a
+            long prompt can hold up the running requests' next token.
+        request_timeout_s: a request still unfinished this long after submission is answered with
+            an error (504); None: no deadline.
+        runner: ``auto`` (the fused Llama runner when the model allows it), ``fused`` or ``hf``.
+        lora_slots: adapters one fused step can mix (default ``max_batch_size + 1``: a global
+            adapter and one local adapter per row); steps needing more run on the HF forward.
+        max_lora_rank: largest adapter rank the fused runner serves (zero-padded below it).
+        cuda_graphs: capture fused decode steps as CUDA graphs on CUDA.
+    """
+
+    max_batch_size: int = 8
+    max_model_len: int = 2048
+    max_waiting: int = 256
+    max_prefill_tokens: int = 512
+    request_timeout_s: float | None = None
+    runner: Literal["auto", "fused", "hf"] = "auto"
+    lora_slots: int | None = None
+    max_lora_rank: int = 16
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_model_len", "max_waiting", "max_prefill_tokens", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_slots is not None and self.lora_slots < 1:
+            raise ValueError(f"EngineConfig.lora_slots must be >= 1, got {self.lora_slots}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"EngineConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.runner not in ("auto", "fused", "hf"):
+            raise ValueError(f"EngineConfig.runner must be auto, fused or hf, got {self.runner!r}")
+
+
+class Lifecycle:
+    """Request validation and phase changes (mixed into :class:`serving.engine.Engine`)."""
+
+    config: EngineConfig
+    tokenizer: object
+    adapted: object
+    vocab_size: int
+    eos_ids: frozenset[int]
+    device: torch.device
+
+    def _route(self, name: str) -> object: ...  # the engine's AMoLE route lookup
+
+    def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters: ...
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+        except (UnicodeError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the prompt is not valid text ({type(exc).__name__}: {exc}); send UTF-8 "
+                                 "text without lone surrogates", param="prompt") from exc
+
+    def prepare(self, request: GenerationRequest) -> Sequence:
+        """Validate ``request`` and make its waiting sequence (raises the errors of ``submit``)."""
+        ids = list(request.prompt_ids) if request.prompt_ids is not None else self._encode(request.prompt or "")
+        if not ids:
+            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
+        if any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        if len(ids) >= self.config.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens; this server allows {self.config.max_model_len} "
+                "tokens of prompt plus completion", param="messages")
+        loaded = set(getattr(self.adapted, "configs", {}) or {})
+        missing = [n for n in request.adapter_names if n not in loaded and self._route(n) is None]
+        if missing:
+            raise AdapterNotFound(f"adapters {missing} are not loaded in the model")
+        route = self._amole_route(request)
+        params = request.sampling
+        try:
+            generator = make_generator(params, self.device)
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise InvalidRequest(f"seed {params.seed!r} cannot seed a generator: {exc}", param="seed") from exc
+        timeout = self.config.request_timeout_s
+        seq = Sequence(handle=RequestHandle(request), ids=ids, tracker=TextTracker(self.tokenizer, params.stop),
+                       generator=generator, deadline=time.monotonic() + timeout if timeout else None,
+                       weights=tuple(request.adapter_weights), amole=route)
+        if route is not None:
+            seq.info = route.info()
+        return seq
+
+    def _amole_route(self, request: GenerationRequest):  # noqa: ANN202 - AMoLEClientRoute | None
+        """The request's AMoLE route, or None; an AMoLE route must be the only adapter, at weight 1."""
+        routes = [r for r in map(self._route, request.adapter_names) if r is not None]
+        if not routes:
+            return None
+        if len(request.adapter_names) != 1 or tuple(request.adapter_weights) != (1.0,) or request.weight_fn:
+            raise InvalidRequest("an AMoLE client routes every token itself: request it alone, at weight 1, "
+                                 "without a weight_fn", param="adapters")
+        return routes[0]
+
+    def begin_prefill(self, seq: Sequence) -> None:
+        """Enter the first prefill phase (``route`` for a routed request, else ``fill``)."""
+        req = seq.handle.request
+        seq.filled = 0
+        if seq.amole is not None:
+            index = {p: i for i, p in enumerate(getattr(self.adapted, "layers", {}))}
+            seq.layer_idx = torch.tensor([index[p] for p in seq.amole.bundle.layers])
+            seq.phase, seq.adapters = "fill", self.row_adapters(seq, (1.0,))
+        elif req.weight_fn is not None:
+            first = tuple(req.prefill_weights if req.prefill_weights is not None else req.adapter_weights)
+            seq.phase, seq.adapters = "route", self.row_adapters(seq, first)
+        else:
+            seq.phase, seq.adapters = "fill", self.row_adapters(seq, tuple(req.adapter_weights))
+
+    def prefilled(self, seq: Sequence, out: RowOut) -> bool:
+        """The prompt went through its current phase; True when its first token is sampled from ``out``.
+
+        Raises:
+            Whatever ``weight_fn`` raises, and InvalidRequest when it returns the wrong number of
+            weights; the engine fails the sequence with it.
+        """
+        req = seq.handle.request
+        if seq.phase == "route":
+            assert req.weight_fn is not None and out.state is not None
+            routed, info = req.weight_fn(out.state.cpu())
+            weights = tuple(float(w) for w in routed)
+            if len(weights) != len(req.adapter_names):
+                raise InvalidRequest(f"weight_fn returned {len(weights)} weights for {req.adapter_names}")
+            seq.weights, seq.info = weights, dict(info)
+            if req.exact_prefill:
+                seq.phase, seq.filled, seq.adapters = "fill", 0, self.row_adapters(seq, weights)
+                return False
+            seq.adapters = self.row_adapters(seq, weights)
+        seq.phase = "decode"
+        return True
+
+    def advance(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Record one generated token, stream its text, and say whether the sequence is finished."""
+        params = seq.handle.request.sampling
+        seq.output.append(token)
+        if token in self.eos_ids and not params.ignore_eos:
+            seq.handle.push(seq.tracker.flush())
+            return "stop"
+        delta, stopped = seq.tracker.push(token)
+        seq.handle.push(delta)
+        if stopped:
+            return "stop"
+        if len(seq.output) >= params.max_tokens or seq.prompt_len + len(seq.output) >= self.config.max_model_len:
+            seq.handle.push(seq.tracker.flush())
+            return "length"
+        seq.next_token = token
+        return None

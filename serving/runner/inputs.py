@@ -1,0 +1,104 @@
+"""What one engine step hands a model runner: the rows to prefill or decode, and what comes back.
+
+A row is one sequence (one KV slot) with its adapter weights for this forward: names ``(K,)`` and
+weights ``(K,)``, one row of the per-row weight matrix of DESIGN.md's one contract, or an AMoLE route
+(paper 002 section 4.2: per-token routing inside the layers). :func:`weight_matrix` is the one place
+that turns a batch of rows into the ``(B, K)`` matrix over the union of their adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowAdapters:
+    """A row's adapters: engine-internal names ``(K,)`` and their weights ``(K,)``; empty for the base."""
+
+    names: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
+    amole: Any = None  # serving.amole_router.AMoLEClientRoute: token-routed over the route's experts
+
+    @property
+    def plain(self) -> bool:
+        """True unless the row is AMoLE-routed."""
+        return self.amole is None
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """One sequence's prompt chunk: ``tokens`` at positions ``start .. start + len(tokens) - 1``.
+
+    Attributes:
+        slot: the sequence's KV slot.
+        tokens: the chunk's token ids (at least one).
+        start: position of ``tokens[0]`` (the slot already holds ``start`` positions).
+        adapters: weights of this pass.
+        want_state: return the final-layer state of the chunk's last token (FedDPA routing).
+    """
+
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    adapters: RowAdapters = RowAdapters()
+    want_state: bool = False
+
+    @property
+    def end(self) -> int:
+        """Positions the slot holds after this chunk."""
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One sequence's decode input: ``token`` at ``position`` (the slot holds ``position`` positions)."""
+
+    slot: int
+    token: int
+    position: int
+    adapters: RowAdapters = RowAdapters()
+
+
+@dataclass
+class StepOutput:
+    """A forward's result per row.
+
+    Attributes:
+        logits: (B, V) next-token logits at each row's last token (float32 not required).
+        states: (B, H) float32 final-layer states of the last tokens, when asked for.
+        recorder: the AMoLE expert recorder of the forward, when AMoLE rows took part.
+    """
+
+    logits: torch.Tensor
+    states: torch.Tensor | None = None
+    recorder: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def weight_matrix(rows: Sequence[RowAdapters], device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The union of the rows' adapter names and the ``(B, K)`` weights over it (AMoLE rows: zeros).
+
+    Args:
+        rows: each row's adapters.
+        device: where the matrix lives (the model's device).
+        dtype: its dtype.
+
+    Returns:
+        ``(names, weights)``; ``names`` in first-use order.
+    """
+    index: dict[str, int] = {}
+    for row in rows:
+        if row.plain:
+            for name in row.names:
+                index.setdefault(name, len(index))
+    matrix = [[0.0] * len(index) for _ in rows]
+    for b, row in enumerate(rows):
+        if row.plain:
+            for name, w in zip(row.names, row.weights, strict=True):
+                matrix[b][index[name]] = float(w)
+    return tuple(index), torch.tensor(matrix, dtype=dtype).reshape(len(rows), len(index)).to(device)

@@ -1,0 +1,267 @@
+"""The fast runner: a fused forward for Llama-family models over the engine's slots (issue 22).
+
+The HF forward costs a few dozen small kernels and Python calls per layer; decoding is bound by
+reading the weights once per step, so those small costs dominate small batches (gpt-fast's lesson).
+This forward reads the same parameters (no second copy: q/k/v and gate/up become views of one fused
+matrix each, shared with the HF modules) and runs, per layer, one RMSNorm with the residual add,
+one q/k/v GEMM, one rotary + KV-write kernel, one attention kernel over each row's own slot and
+length, one o GEMM, one RMSNorm, one gate/up GEMM, one SiLU-mul, one down GEMM, and for adapters two
+GEMMs per adapted group (:mod:`serving.runner.lora_slots`). A decode step has static shapes and no
+host synchronisation, so :mod:`serving.runner.graphs` can capture it as a CUDA graph.
+
+Numerics follow HF's LlamaRMSNorm, rotary embedding and SiLU MLP (same rounding points); the KV
+cache holds the compute dtype. Supported: ``llama``, ``mistral`` (no sliding window below the
+context) and ``qwen2`` configs with static RoPE; every other model runs on :mod:`serving.runner.hf`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adapters import AdaptedModel, MultiLoraLinear
+from serving import kernels
+from serving.kv import SlotKV
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
+from serving.runner.lora_slots import GROUPS, LoraSlots
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+ROPES = ("default", "linear", "llama3")
+TARGETS = tuple(t for group in GROUPS.values() for t in group)
+
+
+def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
+    """Why ``model`` cannot run on the fused runner, or None when it can."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_TYPES:
+        return f"model type {kind!r} is not one of {MODEL_TYPES}"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return "the model does not have the Llama module layout"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} is not silu"
+    if getattr(inner.rotary_emb, "rope_type", "default") not in ROPES:
+        return f"RoPE type {inner.rotary_emb.rope_type!r} is not static"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < max_len:
+        return f"sliding-window attention ({window}) below max_model_len"
+    norms = {type(m).__name__ for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if not norms <= set(NORMS):
+        return f"norm layers {sorted(norms)} are not Llama RMSNorm"
+    if isinstance(model.lm_head, MultiLoraLinear) or isinstance(inner.embed_tokens, MultiLoraLinear):
+        return "adapters on the embeddings or the LM head"
+    return None
+
+
+def _base(module: nn.Module) -> nn.Linear:
+    return module.base_layer if isinstance(module, MultiLoraLinear) else module  # type: ignore[return-value]
+
+
+def _fuse(linears: Sequence[nn.Linear], attr: str) -> torch.Tensor | None:
+    """One (sum of outs, in) matrix whose row blocks are the Linears' ``attr`` (views: no second copy)."""
+    tensors = [getattr(lin, attr) for lin in linears]
+    if tensors[0] is None:
+        return None
+    base = tensors[0]._base
+    if base is not None and all(t._base is base for t in tensors) and \
+            sum(t.shape[0] for t in tensors) == base.shape[0] and tensors[0].data_ptr() == base.data_ptr():
+        return base  # already fused (another engine on the same model)
+    with torch.inference_mode(False), torch.no_grad():
+        fused = torch.cat([t.detach() for t in tensors])
+        start = 0
+        for lin, t in zip(linears, tensors, strict=True):
+            setattr(lin, attr, nn.Parameter(fused[start: start + t.shape[0]], requires_grad=False))
+            start += t.shape[0]
+    return fused
+
+
+class LlamaRunner:
+    """Fused decode and prefill for a Llama-family model.
+
+    Args:
+        model: the HF causal LM (checked with :func:`unsupported_reason` first).
+        adapted: its adapter handle (None: base model only).
+        kv: the engine's slots.
+        autocast: factory of the compute context (``LoadedModel.autocast``).
+        lora_capacity: adapter slots (adapters usable by one step).
+        lora_rank: largest adapter rank served without falling back to :mod:`serving.runner.hf`.
+    """
+
+    name = "fused"
+
+    def __init__(self, model: nn.Module, adapted: AdaptedModel | None, kv: SlotKV,
+                 autocast: Callable[[], contextlib.AbstractContextManager[Any]], lora_capacity: int = 16,
+                 lora_rank: int = 16) -> None:
+        reason = unsupported_reason(model, kv.max_len)
+        if reason is not None:
+            raise ValueError(f"the fused runner cannot serve this model: {reason}")
+        self.model, self.adapted, self.kv, self.autocast = model, adapted, kv, autocast
+        inner = model.model  # type: ignore[union-attr]
+        config = model.config  # type: ignore[union-attr]
+        attn = inner.layers[0].self_attn
+        self.head_dim, self.scale = int(attn.head_dim), float(attn.scaling)
+        self.hq, self.hkv = int(config.num_attention_heads), int(config.num_key_value_heads)
+        self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head  # type: ignore[union-attr]
+        self.mods: list[dict[str, nn.Module]] = []
+        self.weights: list[dict[str, torch.Tensor | None]] = []
+        self.norm_w: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            mods = {t: getattr(a if t in GROUPS["qkv"] + GROUPS["o"] else m, t) for t in TARGETS}
+            self.mods.append(mods)
+            qkv = [_base(mods[t]) for t in GROUPS["qkv"]]
+            gate_up = [_base(mods[t]) for t in GROUPS["gate_up"]]
+            self.weights.append({
+                "qkv": _fuse(qkv, "weight"), "qkv_bias": _fuse(qkv, "bias"),
+                "o": _base(mods["o_proj"]).weight, "o_bias": _base(mods["o_proj"]).bias,
+                "gate_up": _fuse(gate_up, "weight"), "gate_up_bias": _fuse(gate_up, "bias"),
+                "down": _base(mods["down_proj"]).weight, "down_bias": _base(mods["down_proj"]).bias})
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            self.norm_w.append((ln1.weight, ln2.weight, float(ln1.variance_epsilon), float(ln2.variance_epsilon)))
+        self.splits = [int(_base(self.mods[0][t]).out_features) for t in GROUPS["qkv"]]
+        residual = self.embed.weight.dtype
+        with torch.inference_mode(False), torch.no_grad():
+            positions = torch.arange(kv.max_len, device=kv.device).unsqueeze(0)
+            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=residual, device=kv.device), positions)
+        self.cos, self.sin = cos[0], sin[0]  # (max_len, D) in the residual stream's dtype
+        self.slots = (LoraSlots(adapted, self.mods, lora_capacity, lora_rank, kv.dtype, kv.device)
+                      if adapted is not None else None)
+
+    # --- what runs here -------------------------------------------------------------------------
+
+    def supports(self, rows: Sequence[RowAdapters]) -> bool:
+        """True when every row is a plain (per-row weighted) row whose adapters fit the slots."""
+        if any(not r.plain for r in rows):
+            return False
+        names = list(dict.fromkeys(n for r in rows for n in r.names))
+        if not names:
+            return True
+        if self.slots is None or not self.slots.fits(names):
+            return False
+        return not any(m.merged is not None for m in self.mods[0].values() if isinstance(m, MultiLoraLinear))
+
+    def slot_weights(self, rows: Sequence[RowAdapters], bucket: Callable[[int], int] = lambda n: n
+                     ) -> torch.Tensor | None:
+        """(B, S_b) per-row slot weights (scaling included) on the host, or None without adapters."""
+        names = list(dict.fromkeys(n for r in rows for n in r.names))
+        if not names or self.slots is None:
+            return None
+        where = dict(zip(names, self.slots.place(names), strict=True))
+        active = bucket(max(where.values()) + 1)
+        return self.slots.weights([[(where[n], w) for n, w in zip(r.names, r.weights, strict=True)] for r in rows],
+                                  active)
+
+    def expand(self, w: torch.Tensor | None, repeat: int = 1) -> dict[str, torch.Tensor]:
+        """Per group (N, R_b) column weights on the device from (B, S_b) slot weights."""
+        if w is None or self.slots is None:
+            return {}
+        w = w.to(self.kv.device, non_blocking=True)
+        if repeat > 1:
+            w = w.repeat_interleave(repeat, dim=0)
+        return {g: self.slots.expand(w, g).to(self.kv.dtype) for g in self.slots.layouts}
+
+    # --- the forward ----------------------------------------------------------------------------
+
+    def _linear(self, x: torch.Tensor, layer: int, group: str, lora: dict[str, torch.Tensor]) -> torch.Tensor:
+        w = self.weights[layer]
+        y = F.linear(x, w[group], w[group + "_bias"])  # type: ignore[arg-type]
+        if group in lora and self.slots is not None:
+            self.slots.apply(layer, group, x, y, lora[group])
+        return y
+
+    def forward_tokens(self, ids: torch.Tensor, pos: torch.Tensor, wslot: torch.Tensor, wpos: torch.Tensor,
+                       attend: Callable[[int, torch.Tensor], torch.Tensor], lora: dict[str, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every layer over N tokens; return the last layer's (output, residual), each (N, H).
+
+        Args:
+            ids: (N,) token ids.
+            pos: (N,) their positions (rotary).
+            wslot: (N,) slot each token's K/V is written to; wpos: (N,) position there.
+            attend: (layer, rotated q (N, Hq, D)) -> attention output (N, Hq, D).
+            lora: per group (N, R_b) column weights; empty without adapters.
+        """
+        kv = self.kv
+        residual = self.embed(ids)  # (N, H)
+        x: torch.Tensor | None = None
+        cos, sin = self.cos[pos], self.sin[pos]  # (N, D)
+        n = ids.shape[0]
+        for i in range(len(self.mods)):
+            w1, w2, eps1, eps2 = self.norm_w[i]
+            h, residual = kernels.rms_norm(residual if x is None else x.to(residual.dtype), w1, eps1,
+                                           None if x is None else residual)
+            qkv = self._linear(h, i, "qkv", lora)  # (N, q + 2 kv)
+            q, k, v = qkv.split(self.splits, dim=-1)
+            q = kernels.rotary_kv_write(q.view(n, self.hq, self.head_dim), k.view(n, self.hkv, self.head_dim),
+                                        v.view(n, self.hkv, self.head_dim), cos, sin, kv.k[i], kv.v[i], wslot, wpos)
+            o = attend(i, q.to(kv.dtype)).reshape(n, self.hq * self.head_dim)
+            o = self._linear(o, i, "o", lora)
+            h, residual = kernels.rms_norm(o.to(residual.dtype), w2, eps2, residual)
+            a = kernels.silu_mul(self._linear(h, i, "gate_up", lora))
+            x = self._linear(a, i, "down", lora)
+        assert x is not None
+        return x, residual
+
+    def head(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm and LM head of (B, H) last tokens: (logits (B, V), normed states (B, H))."""
+        h, _ = kernels.rms_norm(x.to(residual.dtype), self.norm.weight, float(self.norm.variance_epsilon), residual)
+        return self.lm_head(h), h
+
+    def decode_tensors(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                       lora: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One token per row, all inputs device tensors (capturable): (B, V) logits."""
+        lengths = pos + 1
+        x, residual = self.forward_tokens(
+            ids, pos, slots, pos,
+            lambda i, q: kernels.decode_attention(q, self.kv.k[i], self.kv.v[i], slots, lengths, self.scale), lora)
+        return self.head(x, residual)[0]
+
+    def decode(self, rows: Sequence[DecodeRow]) -> StepOutput:
+        """One token per row (eager)."""
+        dev = self.kv.device
+        self.kv.ensure(max(r.position for r in rows) + 1)
+        ids = torch.tensor([r.token for r in rows], device=dev)
+        pos = torch.tensor([r.position for r in rows], device=dev)
+        slots = torch.tensor([r.slot for r in rows], device=dev)
+        lora = self.expand(self.slot_weights([r.adapters for r in rows]))
+        with self.autocast():
+            return StepOutput(logits=self.decode_tensors(ids, pos, slots, lora))
+
+    def prefill(self, rows: Sequence[PrefillRow]) -> StepOutput:
+        """Every row's chunk in one right-padded (B, T) batch; logits and states at each last token."""
+        dev, kv = self.kv.device, self.kv
+        B, T = len(rows), max(len(r.tokens) for r in rows)
+        kv.ensure(max(r.end for r in rows))
+        ids, pos, wslot, wpos = [], [], [], []
+        for r in rows:
+            n, pad = len(r.tokens), T - len(r.tokens)
+            ids += list(r.tokens) + [r.tokens[-1]] * pad
+            pos += list(range(r.start, r.end)) + [r.end - 1] * pad
+            wslot += [r.slot] * n + [kv.scratch] * pad
+            wpos += list(range(r.start, r.end)) + [0] * pad
+        slots = torch.tensor([r.slot for r in rows], device=dev)
+        starts = torch.tensor([r.start for r in rows], device=dev)
+        lengths = torch.tensor([r.end for r in rows], device=dev)
+        lora = self.expand(self.slot_weights([r.adapters for r in rows]), repeat=T)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            out = kernels.prefill_attention(q.view(B, T, self.hq, self.head_dim), kv.k[i], kv.v[i], slots, starts,
+                                            lengths, self.scale)
+            return out.reshape(B * T, self.hq, self.head_dim)
+
+        last = torch.tensor([b * T + len(r.tokens) - 1 for b, r in enumerate(rows)], device=dev)
+        with self.autocast():
+            x, residual = self.forward_tokens(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                                              torch.tensor(wslot, device=dev), torch.tensor(wpos, device=dev),
+                                              attend, lora)
+            logits, states = self.head(x.index_select(0, last), residual.index_select(0, last))
+        want = any(r.want_state for r in rows)
+        return StepOutput(logits=logits, states=states.float() if want else None)

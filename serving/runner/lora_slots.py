@@ -1,0 +1,205 @@
+"""Adapter slots on the device: the LoRA weights a decode step needs, stacked once, read in two GEMMs.
+
+The one contract (DESIGN.md) asks each adapted Linear for ``y = W0 x + sum_k w[b, k] s_k B_k A_k x``.
+With the step's adapters placed in ``S`` slots, every projection group of a layer (q/k/v share
+their input, so do gate/up) keeps one stack ``A`` of shape ``(S * n_t * r, d_in)`` (slot-major, then
+target, then rank) and one ``Bt`` of shape ``(S * n_t * r, d_out)`` whose rows put each target's
+``B_k^T`` under that target's output columns (zeros elsewhere). Then, for the whole batch,
+
+    h = (x @ A^T) * wexp        # (N, S n_t r): wexp[b, (s, t, j)] = w[b, s] * scaling_s
+    y += h @ Bt                 # one GEMM adds every row's weighted adapters to every target
+
+is exactly the contract (zero weights add exact zeros): no Python loop over adapters or rows, no
+gather of per-row weight copies (Punica's BGMV and S-LoRA read each adapter once per step; so does
+this), and the stacks have fixed addresses, so a CUDA graph captured over the first ``S_b`` slots
+stays valid while adapters move in and out of slots. A slot is filled when a step first needs its
+adapter and reused while the adapter (its internal, versioned name and its tensors) is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from adapters import AdaptedModel, MultiLoraLinear
+
+# projection groups of a Llama-family decoder layer, each with the targets sharing its input
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where a group's targets sit: the adapted targets, and each one's output column range."""
+
+    targets: tuple[str, ...]  # adapted targets of the group, in GROUPS order
+    columns: tuple[tuple[int, int], ...]  # (start, stop) of each target in the group's output
+    d_in: int
+    d_out: int
+
+
+class LoraSlots:
+    """Per-layer, per-group adapter stacks for ``capacity`` slots of rank ``rank``.
+
+    Args:
+        adapted: the injected model whose adapters are copied in.
+        layers: per decoder layer, target name -> its module (MultiLoraLinear or plain Linear).
+        capacity: slots (adapters usable in one step).
+        rank: the largest rank a slot holds (smaller ranks are zero-padded).
+        dtype: the compute dtype of the stacks.
+        device: the model's device.
+    """
+
+    def __init__(self, adapted: AdaptedModel, layers: Sequence[dict[str, torch.nn.Module]], capacity: int, rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.adapted, self.capacity, self.rank = adapted, capacity, rank
+        self.dtype, self.device = dtype, device
+        self.layers = list(layers)
+        self.layouts: dict[str, GroupLayout] = {}
+        for group, targets in GROUPS.items():
+            mods = self.layers[0]
+            adapted_targets = tuple(t for t in targets if isinstance(mods.get(t), MultiLoraLinear))
+            if not adapted_targets:
+                continue
+            columns, start = [], 0
+            for t in targets:
+                width = int(mods[t].out_features)  # type: ignore[union-attr]
+                if t in adapted_targets:
+                    columns.append((start, start + width))
+                start += width
+            d_in = int(mods[targets[0]].in_features)  # type: ignore[union-attr]
+            self.layouts[group] = GroupLayout(adapted_targets, tuple(columns), d_in, start)
+        # per layer: group -> (A (S*nt*r, d_in), Bt (S*nt*r, d_out))
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in self.layers:
+            per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for group, lay in self.layouts.items():
+                rows = capacity * len(lay.targets) * rank
+                per[group] = (torch.zeros(rows, lay.d_in, dtype=dtype, device=device),
+                              torch.zeros(rows, lay.d_out, dtype=dtype, device=device))
+            self.stacks.append(per)
+        self.names: list[str | None] = [None] * capacity  # slot -> internal adapter name
+        self.scaling = [0.0] * capacity
+        self._fingerprint: list[tuple[int, ...] | None] = [None] * capacity
+        self._last_used = [0] * capacity
+        self._tick = 0
+
+    # --- placement ------------------------------------------------------------------------------
+
+    @property
+    def targets(self) -> frozenset[str]:
+        """Every target module name these stacks can serve."""
+        return frozenset(t for lay in self.layouts.values() for t in lay.targets)
+
+    def fits(self, names: Sequence[str]) -> bool:
+        """True when ``names`` (one step's union) can all be placed: count, rank and targets."""
+        if len(set(names)) > self.capacity:
+            return False
+        for name in names:
+            config = self.adapted.configs.get(name)
+            if config is None or config.r > self.rank or not set(config.target_modules) <= self.targets:
+                return False
+        return True
+
+    def place(self, names: Sequence[str]) -> list[int]:
+        """Slots holding ``names`` (copying adapters in as needed); call only when :meth:`fits`.
+
+        Slots of adapters no longer in the model are freed first, then the least recently used
+        slot not needed by this step is reused. The lowest free slots are used first, so a step's
+        slots stay compact (a small graph bucket).
+        """
+        self._tick += 1
+        wanted = list(dict.fromkeys(names))
+        for s, held in enumerate(self.names):
+            if held is not None and held not in self.adapted.configs:
+                self.names[s], self._fingerprint[s] = None, None
+        where = {n: s for s, n in enumerate(self.names) if n is not None}
+        chosen: dict[str, int] = {}
+        for name in wanted:
+            slot = where.get(name)
+            if slot is not None and self._fingerprint[slot] == self._print(name):
+                chosen[name] = slot
+        for name in wanted:
+            if name in chosen:
+                continue
+            busy = set(chosen.values())
+            free = [s for s in range(self.capacity) if self.names[s] is None and s not in busy]
+            slot = free[0] if free else min((s for s in range(self.capacity) if s not in busy),
+                                            key=lambda s: self._last_used[s])
+            self._fill(slot, name)
+            chosen[name] = slot
+        for slot in chosen.values():
+            self._last_used[slot] = self._tick
+        return [chosen[n] for n in names]
+
+    def _print(self, name: str) -> tuple[int, ...]:
+        """Identity of an adapter's tensors: module ids and in-place versions of its first layer."""
+        for mods in self.layers[:1]:
+            out: list[int] = []
+            for t in sorted(self.targets):
+                mod = mods.get(t)
+                if isinstance(mod, MultiLoraLinear) and name in mod.adapters:
+                    a = mod.adapters[name]
+                    out += [id(a), a.lora_A._version, a.lora_B._version]  # type: ignore[union-attr]
+            return tuple(out)
+        return ()
+
+    def _fill(self, slot: int, name: str) -> None:
+        config = self.adapted.configs[name]
+        for mods, per in zip(self.layers, self.stacks, strict=True):
+            for group, lay in self.layouts.items():
+                A, Bt = per[group]
+                nt, r = len(lay.targets), self.rank
+                base = slot * nt * r
+                A[base: base + nt * r].zero_()
+                Bt[base: base + nt * r].zero_()
+                for t, target in enumerate(lay.targets):
+                    mod = mods[target]
+                    if not isinstance(mod, MultiLoraLinear) or name not in mod.adapters:
+                        continue
+                    adapter = mod.adapters[name]
+                    a = adapter.lora_A.detach()  # (r_a, d_in)
+                    b = adapter.lora_B.detach()  # (o, r_a)
+                    lo, hi = lay.columns[t]
+                    row = base + t * r
+                    A[row: row + a.shape[0]] = a.to(self.dtype)
+                    Bt[row: row + a.shape[0], lo:hi] = b.t().to(self.dtype)
+        self.names[slot] = name
+        self.scaling[slot] = float(config.scaling)
+        self._fingerprint[slot] = self._print(name)
+
+    # --- per step --------------------------------------------------------------------------------
+
+    def weights(self, slots_per_row: Sequence[Sequence[tuple[int, float]]], active: int) -> torch.Tensor:
+        """(B, active) weight of each row for each of the first ``active`` slots, times the slot's scaling."""
+        w = torch.zeros(len(slots_per_row), active, dtype=torch.float32)
+        for b, pairs in enumerate(slots_per_row):
+            for slot, weight in pairs:
+                w[b, slot] += weight * self.scaling[slot]
+        return w
+
+    def expand(self, w: torch.Tensor, group: str) -> torch.Tensor:
+        """(B, S_b) slot weights -> (B, S_b * n_t * r) column weights of ``group``'s stacks."""
+        lay = self.layouts[group]
+        return w.repeat_interleave(len(lay.targets) * self.rank, dim=1)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, wexp: torch.Tensor) -> None:
+        """``y += ((x @ A^T) * wexp) @ Bt`` over the first ``wexp.shape[1]`` stack rows (in place).
+
+        Args:
+            layer: decoder layer index.
+            group: projection group.
+            x: (N, d_in) the group's input.
+            y: (N, d_out) the group's base output, updated in place.
+            wexp: (N, R_b) from :meth:`expand`, in the stacks' dtype.
+        """
+        A, Bt = self.stacks[layer][group]
+        rows = wexp.shape[1]
+        h = torch.mm(x.to(A.dtype), A[:rows].t()) * wexp  # (N, R_b)
+        y.addmm_(h.to(y.dtype), Bt[:rows].to(y.dtype))

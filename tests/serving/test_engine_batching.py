@@ -1,0 +1,194 @@
+"""The engine's batching on the tiny model: fused runner = HF forward, chunked and batched prefill, slots.
+
+Every test compares greedy token ids, which in float32 are identical when the logits agree to
+rounding: the fused Llama runner against the model's own forward, a prompt prefilled in chunks
+against one piece, requests prefilled together against each alone, and adapters mixed through the
+device slot table against the layers' own per-row weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedmosaic.models import LoadedModel
+from serving.engine import Engine, EngineConfig
+from serving.kv import SlotKV
+from serving.request import GenerationRequest
+from serving.runner.hf import HFRunner
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, weight_matrix
+from serving.runner.llama import LlamaRunner, unsupported_reason
+from serving.sampling import SamplingParams, TextTracker, filter_logits, sample_batch
+from tests.serving.helpers import adapted_with
+
+PROMPTS = ["The capital of France is Paris and the capital of Italy is", "Sort these words",
+           "twelve plus seven equals nineteen", "Convert 5 km"]
+MIXES = [RowAdapters(("g", "l1"), (0.7, 0.3)), RowAdapters(("g", "l2"), (0.2, 0.8)), RowAdapters(("l1",), (1.0,)),
+         RowAdapters()]
+
+
+def requests(n: int = 10) -> list[GenerationRequest]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [GenerationRequest(prompt=p, sampling=params, adapter_names=m.names, adapter_weights=m.weights)
+            for p, m in zip(PROMPTS, MIXES, strict=True)]
+
+
+def ids(results: list) -> list[tuple[int, ...]]:  # type: ignore[type-arg]
+    return [r.token_ids for r in results]
+
+
+def kv_for(tiny: LoadedModel, slots: int = 4) -> SlotKV:
+    c = tiny.model.config
+    return SlotKV(c.num_hidden_layers, slots, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, 64,
+                  torch.float32, torch.device("cpu"))
+
+
+def test_fused_runner_equals_the_hf_forward_step_by_step(tiny: LoadedModel) -> None:
+    adapted = adapted_with(tiny)
+    hf = HFRunner(tiny.model, adapted, kv_for(tiny), tiny.autocast)
+    fused = LlamaRunner(tiny.model, adapted, kv_for(tiny), tiny.autocast, lora_capacity=4, lora_rank=8)
+    tokens = [tuple(tiny.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in PROMPTS]
+    rows = [PrefillRow(i, t, 0, m, want_state=True) for i, (t, m) in enumerate(zip(tokens, MIXES, strict=True))]
+    with torch.inference_mode():
+        a, b = hf.prefill(rows), fused.prefill(rows)
+        assert torch.allclose(a.logits, b.logits, atol=1e-5) and torch.allclose(a.states, b.states, atol=1e-5)
+        nxt = a.logits.argmax(-1).tolist()
+        for step in range(4):
+            drows = [DecodeRow(i, nxt[i], len(tokens[i]) + step, MIXES[i]) for i in range(4)]
+            a, b = hf.decode(drows), fused.decode(drows)
+            assert torch.allclose(a.logits, b.logits, atol=1e-5)
+            nxt = a.logits.argmax(-1).tolist()
+
+
+def test_fused_and_hf_engines_decode_the_same_tokens(tiny: LoadedModel) -> None:
+    adapted = adapted_with(tiny)
+    fused = Engine(tiny, adapted, EngineConfig(runner="fused"))
+    hf = Engine(tiny, adapted, EngineConfig(runner="hf"))
+    assert ids(fused.generate(requests())) == ids(hf.generate(requests()))
+
+
+def test_chunked_prefill_equals_one_piece(tiny: LoadedModel) -> None:
+    adapted = adapted_with(tiny)
+    whole = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=512))
+    chunked = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=3))
+    assert ids(chunked.generate(requests())) == ids(whole.generate(requests()))
+
+
+def test_a_long_prompt_is_prefilled_in_bounded_chunks_while_others_decode(tiny: LoadedModel) -> None:
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=4))
+    short = engine.submit(GenerationRequest(prompt=PROMPTS[1], sampling=SamplingParams(
+        max_tokens=200, temperature=0, ignore_eos=True)))
+    engine.step()
+    prompt = " ".join(PROMPTS * 3)
+    long = engine.submit(GenerationRequest(prompt=prompt, sampling=SamplingParams(max_tokens=3, temperature=0)))
+    running = next(s for s in engine._active if s.handle is short)
+    made, steps = [], 0
+    while not long.done:
+        engine.step()
+        steps += 1
+        made.append(len(running.output))
+    n = len(tiny.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert steps >= n // 4  # one chunk of at most 4 prompt tokens per step
+    assert made == list(range(made[0], made[0] + steps))  # the short request decoded one token every step
+    short.cancel()
+    while engine.step():
+        pass
+
+
+def test_requests_prefilled_together_equal_each_alone(tiny: LoadedModel) -> None:
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=4))
+    alone = [engine.generate([r])[0].token_ids for r in requests()]
+    assert ids(engine.generate(requests())) == alone
+
+
+def test_more_requests_than_slots_wait_for_a_free_slot(tiny: LoadedModel) -> None:
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=2))
+    alone = [engine.generate([r])[0].token_ids for r in requests()]
+    handles = [engine.submit(r) for r in requests()]
+    engine.step()
+    assert engine.stats().running == 2 and engine.stats().waiting == 2
+    while engine.step():
+        pass
+    assert [h.result().token_ids for h in handles] == alone
+    assert engine.kv.free_slots == 2
+
+
+def test_more_adapters_than_slots_fall_back_to_the_hf_forward(tiny: LoadedModel) -> None:
+    adapted = adapted_with(tiny)
+    small = Engine(tiny, adapted, EngineConfig(lora_slots=1))
+    assert small.executor.runner_name([MIXES[0]]) == "hf" and small.executor.runner_name([MIXES[2]]) == "fused"
+    reference = Engine(tiny, adapted, EngineConfig(runner="hf"))
+    assert ids(small.generate(requests())) == ids(reference.generate(requests()))
+
+
+def test_a_reloaded_adapter_is_copied_into_its_slot_again(tiny: LoadedModel) -> None:
+    adapted = adapted_with(tiny)
+    engine = Engine(tiny, adapted)
+    req = requests()[2]  # l1 alone
+    first = engine.generate([req])[0].token_ids
+    from tests.serving.helpers import randomize
+
+    randomize(adapted, "l1", seed=999, scale=2.0)
+    reference = Engine(tiny, adapted, EngineConfig(runner="hf")).generate([req])[0].token_ids
+    assert engine.generate([req])[0].token_ids == reference != first
+
+
+def test_unsupported_models_are_named() -> None:
+    assert "model type" in str(unsupported_reason(torch.nn.Linear(2, 2), 16))
+
+
+def test_weight_matrix_is_the_union_of_the_rows() -> None:
+    names, w = weight_matrix([RowAdapters(("a", "b"), (0.5, 0.5)), RowAdapters(("b",), (1.0,)), RowAdapters()])
+    assert names == ("a", "b")
+    assert w.tolist() == [[0.5, 0.5], [0.0, 1.0], [0.0, 0.0]]
+
+
+def test_filter_logits_matches_a_naive_loop() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=gen)
+    top_k = torch.tensor([0, 3, 10, 0, 1])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.99])
+    out = filter_logits(logits, top_k, top_p)
+    for b in range(5):
+        row = logits[b].clone()
+        k = int(top_k[b])
+        if k:
+            row[row < torch.topk(row, k).values[-1]] = float("-inf")
+        srt, order = torch.sort(row, descending=True)
+        p = torch.softmax(srt, -1)
+        drop = (p.cumsum(-1) - p) >= float(top_p[b])
+        row[order[drop]] = float("-inf")
+        assert torch.equal(torch.isinf(out[b]), torch.isinf(row))
+        assert torch.equal(out[b][~torch.isinf(out[b])], logits[b][~torch.isinf(row)])
+
+
+def test_sampling_follows_the_distribution_and_the_seed() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    params = SamplingParams(temperature=1.0)
+    counts = torch.zeros(3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        counts[sample_batch(logits, [params], [gen])[0]] += 1
+    assert torch.allclose(counts / 3000, torch.tensor([0.1, 0.6, 0.3]), atol=0.03)
+    a = sample_batch(logits.repeat(2, 1), [params] * 2, [torch.Generator().manual_seed(5)] * 2)
+    b = sample_batch(logits.repeat(2, 1), [params] * 2, [torch.Generator().manual_seed(5)] * 2)
+    assert a == b
+
+
+@pytest.mark.parametrize("stop", [(), ("ab",), ("x y", "z")])
+def test_incremental_text_equals_a_full_decode(tokenizer: object, stop: tuple[str, ...]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        token_ids = torch.randint(3, len(tokenizer), (30,), generator=gen).tolist()  # type: ignore[arg-type]
+        tracker = TextTracker(tokenizer, stop)
+        deltas, stopped = [], False
+        for t in token_ids:
+            delta, stopped = tracker.push(t)
+            deltas.append(delta)
+            if stopped:
+                break
+        deltas.append("" if stopped else tracker.flush())
+        full = tokenizer.decode(tracker.ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+        want = full[: min(hits)] if hits else full
+        assert "".join(deltas) == tracker.text == want
