@@ -25,7 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
+
+# The repository root first on the path, so `serving` resolves to this checkout in any environment.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name: (hidden, intermediate, query heads, kv heads, head dim, LoRA adapters, LoRA rank)
 MODELS = {

@@ -55,7 +55,7 @@ def _decode_split_kernel(
     sp_b, sp_h, sp_s, sl_b, sl_h,
     G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
 ):
-    # Program (b, h, split): query head h of row b over positions [split * CHUNK, (split+1) * CHUNK).
+    """Program (b, h, split): online softmax of query head h of row b over one chunk of its cache row."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,7 +101,7 @@ def _decode_merge_kernel(
     sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h,
     D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # Program (b, h): weights each split's output by its share of the softmax mass.
+    """Program (b, h): the splits' outputs weighted by their shares of the softmax mass."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     length = tl.load(len_ptr + b).to(tl.int32)

@@ -62,7 +62,7 @@ def _shrink_kernel(
     K_STEPS: tl.constexpr, SINGLE: tl.constexpr, F32_DOT: tl.constexpr,
     BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
 ):
-    # Program (row tile, column tile, split): rows [m0, m0+BM) x columns [r0, r0+BR) over its d range.
+    """Program (row tile, column tile, split): a (BM, BR) tile of x @ A^T over one range of d."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BR + tl.arange(0, BR)
     split = tl.program_id(2)
@@ -95,7 +95,7 @@ def _shrink_kernel(
 def _shrink_epilogue_kernel(
     part_ptr, w_ptr, h_ptr, R, sp_k, sp_n, sw, sh, SPLITS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    # Program (row, column block): sums the splits' partials, rounds, weights, rounds.
+    """Program (row, column block): sums the splits' partials, rounds, weights, rounds."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < R

@@ -54,6 +54,7 @@ def _rms_norm_kernel(
     sx, sr, so, sro,  # row strides
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Program (row): residual add, mean square over the row's H values, normalise, weight."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -95,7 +96,7 @@ def _rotary_kv_kernel(
     skc_s, skc_h, skc_l, svc_s, svc_h, svc_l,  # cache strides (slot, head, position)
     HQ: tl.constexpr, HALF: tl.constexpr,
 ):
-    # One program per (token, head); heads [0, HQ) are query heads, [HQ, HQ + Hkv) key/value heads.
+    """Program (token, head): heads [0, HQ) are query heads, [HQ, HQ + Hkv) key/value heads."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     lo = tl.arange(0, HALF)  # first half of the head dim; the second is lo + HALF
@@ -156,6 +157,7 @@ def rotary_kv_write(
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, sgu, so, BLOCK: tl.constexpr):
+    """Program (row, column block): silu(gate) * up for BLOCK columns of one row."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
