@@ -35,13 +35,13 @@ def round_to(x, DT: tl.constexpr):
 
     bfloat16 is rounded with integer arithmetic on the float32 bits: the same result as the GPU's
     cvt.rn.bf16.f32 (and PyTorch's casts), and also right in Triton's interpreter, whose own fp32 to
-    bf16 cast truncates. NaN payloads are not preserved.
+    bf16 cast truncates. NaN stays NaN (its payload aside).
     """
     y = x
     if DT == tl.bfloat16:  # a compile-time branch
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
-        y = bits.to(tl.float32, bitcast=True)
+        y = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
     elif DT == tl.float16:
         y = x.to(tl.float16).to(tl.float32)
     return y

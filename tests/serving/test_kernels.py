@@ -166,7 +166,32 @@ def test_cpu_without_the_flag_runs_the_reference(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(kernels.silu_mul(gate_up), reference.silu_mul(gate_up))
 
 
+if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    from serving.kernels.triton_ops import round_to
+
+    @triton.jit
+    def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        """float32 -> bfloat16 through round_to (the rounding every kernel uses)."""
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n)
+        tl.store(y_ptr + offs, round_to(x, tl.bfloat16).to(tl.bfloat16), mask=offs < n)
+
+
 # --- the Triton kernels (interpreter) against the reference ----------------------------------------------------
+
+
+def test_triton_round_to_is_torchs_bf16_cast(triton_path: None) -> None:
+    # Random float32 bit patterns (normal numbers, both signs, every exponent), plus rounding ties.
+    bits = torch.randint(0, 2**31 - 1, (1 << 14,), generator=torch.Generator().manual_seed(13), dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    x = torch.cat([x, -x, torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 3.3e38, -3.4e38, 0.0])])
+    x = x[x.isfinite() & ((x.abs() >= torch.finfo(torch.float32).tiny) | (x == 0))].contiguous()
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _cast_kernel[(1,)](x, y, x.numel(), BLOCK=1 << (x.numel() - 1).bit_length())
+    assert torch.equal(y, x.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
