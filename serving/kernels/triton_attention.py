@@ -36,13 +36,13 @@ def split_plan(lmax: int, chunk: int | None = None) -> tuple[int, int]:
     Args:
         lmax: cache capacity per row (a shape, so the plan is the same for every batch of a CUDA graph).
         chunk: force this many positions per split (a power of two >= 16; tests); None chooses
-            max(MIN_CHUNK, lmax / MAX_SPLITS rounded up to a power of two).
+            max(MIN_CHUNK, lmax / MAX_SPLITS rounded up to a power of two), at most lmax rounded up.
 
     Returns:
         (splits, chunk): split s covers positions [s * chunk, (s + 1) * chunk); splits * chunk >= lmax.
     """
-    if chunk is None:
-        chunk = max(MIN_CHUNK, next_pow2(triton.cdiv(lmax, MAX_SPLITS)))
+    if chunk is None:  # short caches: one split of the cache's length, rounded up to a power of two
+        chunk = min(max(MIN_CHUNK, next_pow2(triton.cdiv(lmax, MAX_SPLITS))), max(16, next_pow2(lmax)))
     assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk must be a power of two >= 16"
     return triton.cdiv(lmax, chunk), chunk
 

@@ -101,11 +101,12 @@ def test_silu_mul(dtype: torch.dtype, inter: int, n: int) -> None:
 @pytest.mark.parametrize("heads", HEADS)
 def test_decode_attention(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
     hq, hkv, d = heads
-    lmax = 4096 if d == 128 else 2048
-    lengths = [1, lmax, lmax - 993, 300, 64]  # full, one, odd lengths
-    c = attention_case(hq, hkv, d, lmax, lengths, dtype, "cuda", seed=3)
-    out = kernels.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale)
-    assert_near(out, reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale))
+    long = 4096 if d == 128 else 2048
+    # Split and merged (full, one, odd lengths), then a short cache in a single split.
+    for lmax, lengths in ((long, [1, long, long - 993, 300, 64]), (200, [1, 200, 77])):
+        c = attention_case(hq, hkv, d, lmax, lengths, dtype, "cuda", seed=3)
+        out = kernels.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale)
+        assert_near(out, reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

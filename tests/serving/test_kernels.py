@@ -251,6 +251,7 @@ def test_triton_decode_attention_split_and_merged(triton_path: None, dtype: torc
     out = triton_attention.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale, chunk=32)
     assert_near(out, ref)
     assert triton_attention.split_plan(4096) == (16, 256) and triton_attention.split_plan(65536) == (64, 1024)
+    assert triton_attention.split_plan(70) == (1, 128) and triton_attention.split_plan(8) == (1, 16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
