@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from adapters import AdaptedModel
-from serving import kernels
 from serving.kv import SlotKV
 from serving.runner.graphs import DecodeGraphs
 from serving.runner.hf import HFRunner
@@ -56,7 +55,7 @@ class Executor:
         runner: ``auto`` (fused when the model allows), ``fused`` (required) or ``hf``.
         lora_slots: adapter slots of the fused runner.
         max_lora_rank: largest adapter rank the fused runner serves.
-        cuda_graphs: capture decode steps on CUDA (needs the Triton kernels).
+        cuda_graphs: capture decode steps on CUDA (Triton kernels when triton imports, else the references).
         max_batch: the engine's largest batch.
     """
 
@@ -75,7 +74,7 @@ class Executor:
             raise ValueError(f"runner 'fused' cannot serve this model: {reason}")
         else:
             logger.info("serving with the HF forward (%s)", reason)
-        if self.fast is not None and cuda_graphs and kv.device.type == "cuda" and kernels.capturable(kv.device):
+        if self.fast is not None and cuda_graphs and kv.device.type == "cuda":
             self.graphs = DecodeGraphs(self.fast, max_batch)
 
     def runner_name(self, adapters: Sequence[RowAdapters]) -> str:

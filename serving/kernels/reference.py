@@ -1,0 +1,217 @@
+"""Plain-PyTorch decode-step operations: the semantics of every fused kernel, and the CPU path.
+
+Each function rounds at the same points as the Hugging Face Llama modules it replaces (one rounding to
+the activation dtype per PyTorch op), so a model run through these functions gives the same tensors as
+`transformers`' LlamaRMSNorm, apply_rotary_pos_emb and LlamaMLP. Attention computes its scores, softmax and
+weighted sum in float32 and rounds once at the end (HF's eager attention rounds the scores to the
+activation dtype first; the results agree to the activation dtype's precision, not bit for bit).
+
+Nothing here synchronises with a GPU when the tensors are on CUDA (no `.item()`, no data-dependent
+shapes), so the reference is also CUDA-graph capturable; on CPU the attention functions read the caches
+only up to the longest row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A large finite negative score for masked positions: a row with no valid position then gets uniform
+# weights over zeroed values (a finite 0) instead of NaN.
+_MASKED = torch.finfo(torch.float32).min
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add (optional) and LlamaRMSNorm.
+
+    Args:
+        x: (N, H) hidden states.
+        weight: (H,) norm weight.
+        eps: variance epsilon.
+        residual: (N, H) residual stream to add to `x` first, or None.
+
+    Returns:
+        (out, residual_out): out (N, H) = weight * rms-normalised s, with s = x + residual rounded to
+        x.dtype (or s = x); residual_out is s (x itself when no residual is given).
+    """
+    s = x if residual is None else x + residual  # (N, H), one rounding to x.dtype
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (N, H) fp32
+    return weight * h.to(s.dtype), s
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half: cat(-x2, x1) of the two halves of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of q and k, and the write of rotated k and v into the caches.
+
+    Args:
+        q: (N, Hq, D) queries.
+        k: (N, Hkv, D) keys.
+        v: (N, Hkv, D) values.
+        cos: (N, D) per-token cosines (HF's, in the activation dtype, halves duplicated).
+        sin: (N, D) per-token sines.
+        k_cache: (S, Hkv, Lmax, D) key cache, written in place.
+        v_cache: (S, Hkv, Lmax, D) value cache, written in place.
+        slots: (N,) int64 cache row of each token.
+        positions: (N,) int64 position of each token in its row.
+
+    Returns:
+        (N, Hq, D) rotated queries (a new tensor).
+    """
+    c, s = cos[:, None, :], sin[:, None, :]  # (N, 1, D)
+    q_rot = (q * c) + (rotate_half(q) * s)  # (N, Hq, D)
+    k_rot = (k * c) + (rotate_half(k) * s)  # (N, Hkv, D)
+    # Advanced indices on dims 0 and 2 around a slice: the indexed view is (N, Hkv, D).
+    k_cache[slots, :, positions] = k_rot
+    v_cache[slots, :, positions] = v
+    return q_rot
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation of a fused gate/up projection.
+
+    Args:
+        gate_up: (N, 2I) with gate in [..., :I] and up in [..., I:].
+
+    Returns:
+        (N, I) silu(gate) * up, the silu rounded to the dtype before the product (as HF's LlamaMLP).
+    """
+    gate, up = gate_up.chunk(2, dim=-1)  # (N, I) each
+    return torch.nn.functional.silu(gate) * up
+
+
+def _gather_rows(
+    cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' caches up to the longest row, and which positions are valid.
+
+    Args:
+        cache: (S, Hkv, Lmax, D).
+        slots: (B,) int64 cache rows.
+        lengths: (B,) int64 valid positions per row.
+
+    Returns:
+        (rows, valid): rows (B, Hkv, L, D) in float32 with invalid positions zeroed, valid (B, L) bool.
+        L is Lmax on CUDA (no host synchronisation) and the longest row's length on CPU.
+    """
+    length = cache.shape[2] if cache.is_cuda else int(lengths.max())
+    valid = torch.arange(length, device=cache.device)[None, :] < lengths[:, None]  # (B, L)
+    rows = cache[slots, :, :length].float()  # (B, Hkv, L, D)
+    # Positions past a row's length may hold anything (even NaN): zero them so 0-weights stay 0.
+    return rows.masked_fill_(~valid[:, None, :, None], 0.0), valid
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per row over its cache row (GQA as HF's repeat_kv).
+
+    Args:
+        q: (B, Hq, D) queries, Hq = G * Hkv; query head h reads kv head h // G.
+        k_cache: (S, Hkv, Lmax, D) key cache.
+        v_cache: (S, Hkv, Lmax, D) value cache.
+        slots: (B,) int64 cache row of each query.
+        lengths: (B,) int64 valid positions of each row (>= 1, the current token included).
+        scale: score scale (usually D ** -0.5).
+
+    Returns:
+        (B, Hq, D) softmax(q K^T * scale) V over positions [0, lengths[b]), in q.dtype.
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+    v, _ = _gather_rows(v_cache, slots, lengths)
+    qg = q.float().view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
+    scores = torch.einsum("bkgd,bkld->bkgl", qg, k) * scale  # (B, Hkv, G, L)
+    scores = scores.masked_fill_(~valid[:, None, None, :], _MASKED)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,bkld->bkgd", probs, v)  # (B, Hkv, G, D)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a chunk of new tokens per row over the row's cache (chunked prefill).
+
+    Args:
+        q: (B, T, Hq, D) each row's new chunk; row b's real tokens are q[b, :n_b], then padding.
+        k_cache: (S, Hkv, Lmax, D) key cache, the chunk's keys already written.
+        v_cache: (S, Hkv, Lmax, D) value cache, the chunk's values already written.
+        slots: (B,) int64 cache rows.
+        starts: (B,) int64 position of each row's first new token.
+        lengths: (B,) int64 starts + n_b.
+        scale: score scale.
+
+    Returns:
+        (B, T, Hq, D) in q.dtype: query t of row b attends to positions [0, starts[b] + t]; padded
+        queries (t >= n_b) get finite values of no meaning.
+    """
+    b, t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+    v, _ = _gather_rows(v_cache, slots, lengths)
+    query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
+    key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, None, :]  # (B, T, L)
+    qg = q.float().view(b, t, hkv, hq // hkv, d)  # (B, T, Hkv, G, D)
+    scores = torch.einsum("btkgd,bkld->bkgtl", qg, k) * scale  # (B, Hkv, G, T, L)
+    scores = scores.masked_fill_(~allowed[:, None, None], _MASKED)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgtl,bkld->btkgd", probs, v)  # (B, T, Hkv, G, D)
+    return out.reshape(b, t, hq, d).to(q.dtype)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """First half of a rank-concatenated multi-LoRA: project onto all slots' A, weight per row.
+
+    Args:
+        x: (N, d) inputs.
+        a: (R, d) the S adapter slots' A matrices stacked (R = S * r).
+        w: (N, R) per-row weight of each column (the row's weight for the slot times its scaling).
+
+    Returns:
+        (N, R) (x @ A^T) * w, the product rounded to the dtype before the weighting.
+    """
+    return torch.mm(x, a.t()).mul_(w)
+
+
+def lora_expand_add(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Second half of a rank-concatenated multi-LoRA: y += h @ B^T, in place.
+
+    Args:
+        y: (N, o) base projection output, updated in place.
+        h: (N, R) lora_shrink's output.
+        b: (o, R) the slots' B matrices concatenated along the rank.
+
+    Returns:
+        y.
+    """
+    return y.addmm_(h, b.t())
