@@ -144,6 +144,11 @@ class TextTracker:
 
     def __init__(self, tokenizer: object, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust decoder directly (4x cheaper per call than the Python wrapper), unless
+        # the wrapper would post-process the text (clean_up_tokenization_spaces).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend = backend if backend is not None and hasattr(backend, "decode") and plain else None
         self.stop = stop
         self.ids: list[int] = []
         self.text = ""
@@ -153,6 +158,8 @@ class TextTracker:
         self._longest = max((len(s) for s in stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=True))
         return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
 
     def push(self, token_id: int) -> tuple[str, bool]:

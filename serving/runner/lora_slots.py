@@ -178,11 +178,11 @@ class LoraSlots:
 
     def weights(self, slots_per_row: Sequence[Sequence[tuple[int, float]]], active: int) -> torch.Tensor:
         """(B, active) weight of each row for each of the first ``active`` slots, times the slot's scaling."""
-        w = torch.zeros(len(slots_per_row), active, dtype=torch.float32)
-        for b, pairs in enumerate(slots_per_row):
+        rows = [[0.0] * active for _ in slots_per_row]
+        for row, pairs in zip(rows, slots_per_row, strict=True):
             for slot, weight in pairs:
-                w[b, slot] += weight * self.scaling[slot]
-        return w
+                row[slot] += weight * self.scaling[slot]
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), active)
 
     def expand(self, w: torch.Tensor, group: str) -> torch.Tensor:
         """(B, S_b) slot weights -> (B, S_b * n_t * r) column weights of ``group``'s stacks."""
