@@ -34,7 +34,9 @@ class AMoLERouting:
 
     Attributes:
         groups: one mapping per distinct client, layer path -> expert ids (sizes may differ).
-        row_group: (B,) long tensor, the group of every batch row.
+        row_group: (B,) long tensor, the group of every batch row. Host-side bookkeeping: it is kept on
+            the CPU whatever device it comes from, so the layers group rows without waiting on a GPU
+            (they move each group's row indices to the activations' device).
         top_k: experts per token (clipped to the number a client holds).
         shared: add the shared expert at weight 1 (False: the paper's no-shared ablation).
         routed_dropout: ``per_expert`` (reference) or ``per_token`` (faster; see adapters.amole).
@@ -62,6 +64,8 @@ class AMoLERouting:
     def __post_init__(self) -> None:
         if not self.groups:
             raise AdapterError("AMoLE routing needs at least one client assignment")
+        if isinstance(self.row_group, torch.Tensor) and self.row_group.device.type != "cpu":
+            object.__setattr__(self, "row_group", self.row_group.cpu())  # one copy per forward, not per layer
         if self.row_group.dim() != 1 or self.row_group.dtype not in (torch.int32, torch.int64):
             raise AdapterError(f"row_group must be a (B,) integer tensor, got {tuple(self.row_group.shape)}")
         if self.row_group.numel() and (int(self.row_group.min()) < -1 or int(self.row_group.max()) >= len(self.groups)):
@@ -180,7 +184,7 @@ class AdapterWeights:
 
     Attributes:
         names: adapter slot names, K of them, in the order of the last weights axis.
-        weights: ``(B, K)`` per batch row or ``(B, T, K)`` per token; finite.
+        weights: ``(B, K)`` per batch row or ``(B, T, K)`` per token; finite (checked for CPU tensors).
         trainable: adapters that receive gradients in this forward; the others contribute detached
             (FedDPA-T trains the local adapter beside the frozen global). None: every adapter
             follows its parameters' ``requires_grad``.
@@ -209,7 +213,9 @@ class AdapterWeights:
                 f"adapter weights have {self.weights.shape[-1]} columns for {len(self.names)} "
                 f"adapters {self.names}"
             )
-        if not torch.isfinite(self.weights).all():
+        # Checked where it costs nothing: reading a GPU tensor's values would wait for the GPU on every
+        # forward. Weights built on a device come from already-checked numbers (routing, the trainer).
+        if self.weights.device.type == "cpu" and not torch.isfinite(self.weights).all():
             raise AdapterError("adapter weights contain NaN or inf")
         if self.trainable is not None:
             unknown = set(self.trainable) - set(self.names)
