@@ -148,10 +148,11 @@ def _group_forward(layer: MultiLoraLinear, x: torch.Tensor, result: torch.Tensor
     else:  # decoding: the same stacks every step, cached by the layer
         A, B = layer.frozen_stacks(names, x.dtype)
     sh_A, sh_B = (shared.lora_A, shared.lora_B) if shared is not None else (None, None)
-    if A.dtype != x.dtype:  # fp32 adapters in a bf16 model: compute in the model's dtype
-        A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)
-        if sh_A is not None and sh_B is not None:
-            sh_A, sh_B = sh_A.to(x.dtype), sh_B.to(x.dtype)
+    # fp32 adapters in a bf16 model compute in the model's dtype; each cast on its own, since the cached
+    # stacks already come in x's dtype while P and the shared expert do not (a no-op when dtypes agree)
+    A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)
+    if sh_A is not None and sh_B is not None:
+        sh_A, sh_B = sh_A.to(x.dtype), sh_B.to(x.dtype)
     rows = (row_group == s.group).nonzero(as_tuple=True)[0].to(x.device)
     whole = rows.numel() == x.shape[0]
     xg, rg = (x, result) if whole else (x.index_select(0, rows), result.index_select(0, rows))

@@ -36,10 +36,11 @@ CASES = {"fedit": ({}, 0), "fedprox": ({"mu": 0.5}, 0), "feddpa-t": ({}, 1), "fe
          "fedamole": ({"num_experts": 4, "max_experts": 3, "expert_choices": 2}, 0), "local": ({}, 0)}
 
 
-def _fit(method: str, shadow: ShadowDevice | None) -> tuple[list[FitRes], dict[str, StateDict]]:
+def _fit(method: str, shadow: ShadowDevice | None,
+         dtype: str = "float32") -> tuple[list[FitRes], dict[str, StateDict]]:
     """One round of ``method`` over the clients: the uploads and the clients' private adapters."""
     options, round_idx = CASES[method]
-    rt = Runtime(_moved(shadow), TRAIN)
+    rt = Runtime(_moved(shadow, dtype), TRAIN)
     m = get_method(method)
     opts = {**m.defaults, **options, "seed": 0}
     strategy, client = m.strategy(opts), m.client(opts)
@@ -69,11 +70,22 @@ def test_a_client_step_runs_on_the_models_device_and_uploads_cpu_tensors(method:
             torch.testing.assert_close(pretend_private[client][key], local[key], msg=key)
 
 
-def _moved(shadow: ShadowDevice | None) -> LoadedModel:
-    loaded = tiny_llama()
+def _moved(shadow: ShadowDevice | None, dtype: str = "float32") -> LoadedModel:
+    loaded = tiny_llama(dtype=dtype)  # type: ignore[arg-type]
     if shadow is not None:
         shadow.move(loaded.model)
     return loaded
+
+
+@pytest.mark.parametrize("method", ["feddpa-t", "fedamole", "fedmcp"])
+def test_a_bf16_model_on_the_pretend_gpu_trains_fp32_adapters(method: str) -> None:
+    """bf16 weights are the default on CUDA: the fp32 adapters compute in the activations' dtype on every path
+    (FedAMoLE's embedding pass once multiplied bf16 states by its fp32 token projection)."""
+    with ShadowDevice() as shadow:
+        results, _ = _fit(method, shadow, "bfloat16")
+    for res in results:
+        assert all(v.dtype == torch.float32 and bool(torch.isfinite(v).all()) for v in res.state.values())
+        assert res.metrics["loss"] == res.metrics["loss"]  # not NaN
 
 
 def _run(method: str, out: Path, shadow: ShadowDevice | None, options: dict | None = None) -> RunDir:
