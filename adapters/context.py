@@ -134,7 +134,7 @@ class ExpertRecorder:
             hit = (rows == row).nonzero(as_tuple=True)[0]
             if p == path and hit.numel():
                 per_row = chosen.view(rows.numel(), -1, chosen.shape[-1])[int(hit[0])].cpu()  # (T, k)
-                return torch.tensor(experts, dtype=torch.long)[per_row]
+                return torch.tensor(experts, dtype=torch.long, device="cpu")[per_row]
         raise AdapterError(f"nothing recorded for row {row} in {path}")
 
     def counts(self, paths: Sequence[str], num_experts: int, rows: int, last_token: bool = False) -> torch.Tensor:
@@ -151,7 +151,7 @@ class ExpertRecorder:
         """
         index = {p: i for i, p in enumerate(paths)}
         if not self.records:
-            return torch.zeros(rows, len(paths), num_experts, dtype=torch.long)
+            return torch.zeros(rows, len(paths), num_experts, dtype=torch.long, device="cpu")
         unknown = sorted({r[0] for r in self.records} - set(index))
         if unknown:
             raise AdapterError(f"recorded layers {unknown[:3]} are not among the {len(paths)} paths asked for")
@@ -168,10 +168,11 @@ class ExpertRecorder:
             layers.append(index[path])
             table.append(list(experts) + [0] * (width - len(experts)))
         pick = torch.cat(picks).cpu()  # (S,) positions, all records
-        row = torch.cat(row_parts).cpu().repeat_interleave(torch.tensor(row_repeats))  # (S,)
-        record = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))  # (S,)
-        expert = torch.tensor(table, dtype=torch.long)[record, pick]  # (S,) expert ids
-        layer = torch.tensor(layers, dtype=torch.long)[record]  # (S,)
+        # host-side tally (the records were moved to the CPU above): the counts are a report, not a tensor op
+        row = torch.cat(row_parts).cpu().repeat_interleave(torch.tensor(row_repeats, device="cpu"))  # (S,)
+        record = torch.arange(len(sizes), device="cpu").repeat_interleave(torch.tensor(sizes, device="cpu"))  # (S,)
+        expert = torch.tensor(table, dtype=torch.long, device="cpu")[record, pick]  # (S,) expert ids
+        layer = torch.tensor(layers, dtype=torch.long, device="cpu")[record]  # (S,)
         if int(expert.max()) >= num_experts:
             raise AdapterError(f"expert id {int(expert.max())} does not fit num_experts={num_experts}")
         flat = (row * len(paths) + layer) * num_experts + expert
@@ -256,7 +257,9 @@ class AdapterContext:
 
         Args:
             names: K adapter names (slots).
-            weights: ``(B, K)`` or ``(B, T, K)``; a nested list is converted to float32.
+            weights: ``(B, K)`` or ``(B, T, K)``; a nested list is converted to a float32 CPU tensor. The
+                layers copy CPU weights to the activations' device once per forward; weights created on
+                the model's device skip that copy.
             trainable: adapters that get gradients; the others are detached. None: all.
 
         Yields:

@@ -122,7 +122,7 @@ class FedAMoLEStrategy(Strategy):
         if source == "relevance" and self.scores is not None and set(self.score_clients or ()) == set(clients):
             # Columns follow the upload order (a Flower server receives replies as they come): reorder them.
             cols = [self.score_clients.index(c) for c in clients]  # type: ignore[union-attr]
-            scores = {m: torch.tensor(v, dtype=torch.float64)[:, cols] for m, v in self.scores.items()}
+            scores = {m: torch.tensor(v, dtype=torch.float64, device="cpu")[:, cols] for m, v in self.scores.items()}
         self.assignment = assign_experts(scores, self.cfg, clients, modules, gen)
 
     def configure_round(self, round_idx: int, clients: list[str], state: StateDict) -> dict[str, FitIns]:
@@ -161,7 +161,7 @@ class FedAMoLEStrategy(Strategy):
         modules = sorted({k[len(EMB):].rsplit(".", 1)[0] for r in results for k in r.state if k.endswith(".client")})
         for m in modules:
             r_dim = results[0].state[f"{EMB}{m}.client"].shape[-1]
-            E = torch.stack([expert_emb.get(f"{EMB}{m}.{expert_name(j)}", torch.zeros(r_dim))
+            E = torch.stack([expert_emb.get(f"{EMB}{m}.{expert_name(j)}", torch.zeros(r_dim, device="cpu"))
                              for j in range(self.cfg.num_experts)])  # (N_e, r)
             C = torch.stack([r.state[f"{EMB}{m}.client"] for r in results])  # (N_c, r)
             self.scores[m] = relevance_scores(E.double(), C.double()).tolist()
