@@ -46,11 +46,17 @@ PRETEND = torch.device("cuda", 0)
 # Tensor methods that draw random numbers into ``self`` (their ``generator=`` must be on self's device).
 _IN_PLACE_RANDOM = frozenset({"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",
                               "log_normal_", "cauchy_"})
-# Indexing accepts CPU index tensors for a CUDA tensor (and setitem a CPU value).
+# Indexing a CUDA tensor accepts CPU index tensors; a CPU value only where setitem is a plain copy.
 _INDEXING = frozenset({"__getitem__", "__setitem__", "index_put", "index_put_"})
 # Bookkeeping that compares or inspects tensors without computing with them (e.g. ``Module._apply``).
 _INSPECT = frozenset({"_has_compatible_shallow_copy_type", "__repr__", "__format__", "__hash__", "data_ptr",
                       "untyped_storage", "storage", "is_same_size"})
+
+
+def _advanced(index: object) -> bool:
+    """Whether ``t[index]`` is advanced indexing (a tensor or list in it), i.e. ``index_put`` for a setitem."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dim() > 0) for p in parts)
 
 
 class DeviceMismatch(RuntimeError):
@@ -114,9 +120,13 @@ class ShadowDevice(TorchFunctionMode):
                               "tensors with device= the model's device, or move them there)")
 
     def _devices(self, name: str, tensors: list[torch.Tensor], exempt: set[int]) -> bool | None:
-        """Whether the operation runs on the pretend device (None: no tensor says); raise on a mix."""
+        """Whether the operation runs on the pretend device (None: no tensor says); raise on a mix.
+
+        ``exempt`` holds the ``id`` of tensors CUDA moves itself (CPU indices of a CUDA tensor).
+        """
         on_gpu = [i for i, t in enumerate(tensors) if self.on_device(t)]
-        on_cpu = [i for i, t in enumerate(tensors) if i not in on_gpu and i not in exempt and t.dim() > 0]
+        on_cpu = [i for i, t in enumerate(tensors)
+                  if i not in on_gpu and id(t) not in exempt and t.dim() > 0]
         if on_gpu and on_cpu:
             shapes = f"{tuple(tensors[on_gpu[0]].shape)} on {self.device}, {tuple(tensors[on_cpu[0]].shape)} on cpu"
             raise self._mismatch(name, shapes)
@@ -162,8 +172,10 @@ class ShadowDevice(TorchFunctionMode):
             return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         exempt: set[int] = set()
-        if name in _INDEXING and args and isinstance(args[0], torch.Tensor) and self.on_device(args[0]):
-            exempt = set(range(1, len(tensors)))  # CPU indices (and values) are moved by CUDA itself
+        if name in _INDEXING and len(args) > 1 and isinstance(args[0], torch.Tensor) and self.on_device(args[0]):
+            exempt = {id(t) for t in pytree.tree_leaves(args[1]) if isinstance(t, torch.Tensor)}  # the indices
+            if name == "__setitem__" and len(args) > 2 and not _advanced(args[1]):
+                exempt.add(id(args[2]))  # ``t[0, 1:3] = cpu_values`` is a copy_, which crosses devices
         on_gpu = self._devices(name, tensors, exempt)
         target = self._target(kwargs.get("device"))
         if target is not None and target.type == self.device.type:

@@ -82,6 +82,10 @@ def test_the_check_catches_mixing_a_cpu_generator_and_numpy() -> None:
             out.detach().numpy()
         assert out.detach().cpu().numpy().shape == (3, 2) and out.cpu().device.type == "cpu"
         assert layer.weight[torch.tensor([1])].device == PRETEND  # CUDA accepts CPU index tensors
+        with torch.no_grad():
+            layer.weight[0, 1:3] = torch.ones(2)  # a plain copy_ crosses devices
+            with pytest.raises(DeviceMismatch):
+                layer.weight[torch.tensor([0, 1])] = torch.ones(2, 4)  # index_put_ wants its values there
         assert (torch.ones(2) + torch.zeros(2)).device.type == "cpu"  # host-side work stays allowed
         moved = torch.zeros(2).to(PRETEND)
         assert shadow.on_device(moved) and not shadow.on_device(moved.cpu())
