@@ -93,14 +93,15 @@ def run_batch(args: argparse.Namespace) -> int:
     from serving.api.app import stack_config
     from serving.batch import BatchConfig, run_batch
     from serving.stack import build_stack
-    from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend
+    from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend, vllm_importable
 
     device = resolve_device(args.device)
-    if args.backend == "vllm" and device.type != "cuda":
-        raise SystemExit(f"fedmosaic batch: --backend vllm runs on CUDA, but the device is {device}")
-    try:
-        backend = choose_backend(args.backend, cuda=device.type == "cuda")
+    try:  # auto takes vLLM only where the model runs on CUDA
+        backend = choose_backend(args.backend, cuda=None if device.type == "cuda" else False)
     except BackendUnavailable as exc:
+        if device.type != "cuda" and vllm_importable():  # vLLM is there: the device is what is missing
+            raise SystemExit(f"fedmosaic batch: --backend vllm runs on CUDA, but the device is {device} "
+                             "(--device / FEDMOSAIC_DEVICE)") from exc
         raise SystemExit(f"fedmosaic batch: {exc}") from exc
     settings = settings_from_args(args)
     stack = build_stack(stack_config(settings))
