@@ -5,6 +5,7 @@ Imports only torch and safetensors (DESIGN.md dependency rule).
 
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext, AdapterWeights
+from adapters.device import module_device
 from adapters.export import concat_adapters, export_mixture
 from adapters.inject import AdaptedModel, inject
 from adapters.io import load_adapter, read_adapter_folder, save_adapter, write_adapter_folder
@@ -22,6 +23,7 @@ __all__ = [
     "export_mixture",
     "inject",
     "load_adapter",
+    "module_device",
     "read_adapter_folder",
     "save_adapter",
     "write_adapter_folder",

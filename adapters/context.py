@@ -34,7 +34,9 @@ class AMoLERouting:
 
     Attributes:
         groups: one mapping per distinct client, layer path -> expert ids (sizes may differ).
-        row_group: (B,) long tensor, the group of every batch row.
+        row_group: (B,) long tensor, the group of every batch row. Host-side bookkeeping: it is kept on
+            the CPU whatever device it comes from, so the layers group rows without waiting on a GPU
+            (they move each group's row indices to the activations' device).
         top_k: experts per token (clipped to the number a client holds).
         shared: add the shared expert at weight 1 (False: the paper's no-shared ablation).
         routed_dropout: ``per_expert`` (reference) or ``per_token`` (faster; see adapters.amole).
@@ -62,6 +64,8 @@ class AMoLERouting:
     def __post_init__(self) -> None:
         if not self.groups:
             raise AdapterError("AMoLE routing needs at least one client assignment")
+        if isinstance(self.row_group, torch.Tensor) and self.row_group.device.type != "cpu":
+            object.__setattr__(self, "row_group", self.row_group.cpu())  # one copy per forward, not per layer
         if self.row_group.dim() != 1 or self.row_group.dtype not in (torch.int32, torch.int64):
             raise AdapterError(f"row_group must be a (B,) integer tensor, got {tuple(self.row_group.shape)}")
         if self.row_group.numel() and (int(self.row_group.min()) < -1 or int(self.row_group.max()) >= len(self.groups)):
@@ -130,7 +134,7 @@ class ExpertRecorder:
             hit = (rows == row).nonzero(as_tuple=True)[0]
             if p == path and hit.numel():
                 per_row = chosen.view(rows.numel(), -1, chosen.shape[-1])[int(hit[0])].cpu()  # (T, k)
-                return torch.tensor(experts, dtype=torch.long)[per_row]
+                return torch.tensor(experts, dtype=torch.long, device="cpu")[per_row]
         raise AdapterError(f"nothing recorded for row {row} in {path}")
 
     def counts(self, paths: Sequence[str], num_experts: int, rows: int, last_token: bool = False) -> torch.Tensor:
@@ -147,7 +151,7 @@ class ExpertRecorder:
         """
         index = {p: i for i, p in enumerate(paths)}
         if not self.records:
-            return torch.zeros(rows, len(paths), num_experts, dtype=torch.long)
+            return torch.zeros(rows, len(paths), num_experts, dtype=torch.long, device="cpu")
         unknown = sorted({r[0] for r in self.records} - set(index))
         if unknown:
             raise AdapterError(f"recorded layers {unknown[:3]} are not among the {len(paths)} paths asked for")
@@ -164,10 +168,11 @@ class ExpertRecorder:
             layers.append(index[path])
             table.append(list(experts) + [0] * (width - len(experts)))
         pick = torch.cat(picks).cpu()  # (S,) positions, all records
-        row = torch.cat(row_parts).cpu().repeat_interleave(torch.tensor(row_repeats))  # (S,)
-        record = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))  # (S,)
-        expert = torch.tensor(table, dtype=torch.long)[record, pick]  # (S,) expert ids
-        layer = torch.tensor(layers, dtype=torch.long)[record]  # (S,)
+        # host-side tally (the records were moved to the CPU above): the counts are a report, not a tensor op
+        row = torch.cat(row_parts).cpu().repeat_interleave(torch.tensor(row_repeats, device="cpu"))  # (S,)
+        record = torch.arange(len(sizes), device="cpu").repeat_interleave(torch.tensor(sizes, device="cpu"))  # (S,)
+        expert = torch.tensor(table, dtype=torch.long, device="cpu")[record, pick]  # (S,) expert ids
+        layer = torch.tensor(layers, dtype=torch.long, device="cpu")[record]  # (S,)
         if int(expert.max()) >= num_experts:
             raise AdapterError(f"expert id {int(expert.max())} does not fit num_experts={num_experts}")
         flat = (row * len(paths) + layer) * num_experts + expert
@@ -180,7 +185,7 @@ class AdapterWeights:
 
     Attributes:
         names: adapter slot names, K of them, in the order of the last weights axis.
-        weights: ``(B, K)`` per batch row or ``(B, T, K)`` per token; finite.
+        weights: ``(B, K)`` per batch row or ``(B, T, K)`` per token; finite (checked for CPU tensors).
         trainable: adapters that receive gradients in this forward; the others contribute detached
             (FedDPA-T trains the local adapter beside the frozen global). None: every adapter
             follows its parameters' ``requires_grad``.
@@ -209,7 +214,9 @@ class AdapterWeights:
                 f"adapter weights have {self.weights.shape[-1]} columns for {len(self.names)} "
                 f"adapters {self.names}"
             )
-        if not torch.isfinite(self.weights).all():
+        # Checked where it costs nothing: reading a GPU tensor's values would wait for the GPU on every
+        # forward. Weights built on a device come from already-checked numbers (routing, the trainer).
+        if self.weights.device.type == "cpu" and not torch.isfinite(self.weights).all():
             raise AdapterError("adapter weights contain NaN or inf")
         if self.trainable is not None:
             unknown = set(self.trainable) - set(self.names)
@@ -250,7 +257,9 @@ class AdapterContext:
 
         Args:
             names: K adapter names (slots).
-            weights: ``(B, K)`` or ``(B, T, K)``; a nested list is converted to float32.
+            weights: ``(B, K)`` or ``(B, T, K)``; a nested list is converted to a float32 CPU tensor. The
+                layers copy CPU weights to the activations' device once per forward; weights created on
+                the model's device skip that copy.
             trainable: adapters that get gradients; the others are detached. None: all.
 
         Yields:

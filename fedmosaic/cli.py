@@ -68,7 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
     from fedmosaic.models import load_base_model
     from serving.generation import GenerationConfig, generate
 
-    loaded = load_base_model(args.model, dtype=args.dtype)
+    loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)
     adapted = inject(loaded.model)
     names, weights = [], []
     for i, spec in enumerate(args.adapter or []):
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--chat", action="store_true", help="use the model's chat template, not the Alpaca prompt")
     gen.add_argument("--dtype", choices=settings.DTYPES, default=None)
+    gen.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     gen.set_defaults(func=_generate)
 
     for module_name, add_name, run_name in PLUGINS:

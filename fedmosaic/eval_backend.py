@@ -143,12 +143,12 @@ def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
 
 
 def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, dtype: str | None = None,
-                 max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8, weighting: str = "auto",
-                 samples: int = 5, mode: str = "random") -> StackBackend:
+                 device: str | None = None, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8,
+                 weighting: str = "auto", samples: int = 5, mode: str = "random") -> StackBackend:
     """Build the serving stack over ``run`` and wrap it for evaluation."""
     routing = feddpa_routing(cfg, run, weighting)
     config = StackConfig(
-        model=model or cfg.get("model", "smollm2"), dtype=dtype, run_dir=run.root,
+        model=model or cfg.get("model", "smollm2"), dtype=dtype, device=device, run_dir=run.root,
         max_loras=len(run.clients()) + 4,
         engine=EngineConfig(max_batch_size=batch_size, max_model_len=_NO_LIMIT, max_waiting=max(64, 4 * batch_size)),
         feddpa_routing=routing, feddpa_samples=samples, feddpa_mode=mode,  # type: ignore[arg-type]

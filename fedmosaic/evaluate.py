@@ -87,6 +87,7 @@ class EvalOptions:
         model: base model overriding run.json's.
         per_round: also score the global adapter of every per-round checkpoint (paper Figure 3).
         dtype: compute dtype (None: the setting's default).
+        device: where the model runs (``auto``, ``cpu``, ``cuda[:N]``; None: ``FEDMOSAIC_DEVICE``).
         feddpa_weights: ``<client>`` weighting: ``auto`` (instance-wise for FedDPA runs with an
             embedding index, fixed otherwise), ``instance`` or ``fixed`` (the run's inference weight).
         feddpa_samples: S, local instances compared per example (instance-wise).
@@ -102,6 +103,7 @@ class EvalOptions:
     model: str | None = None
     per_round: bool = False
     dtype: str | None = None
+    device: str | None = None
     feddpa_weights: str = "auto"
     feddpa_samples: int = 5
     feddpa_mode: str = "random"
@@ -155,7 +157,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     if backend is None:
         from fedmosaic.eval_backend import open_backend
 
-        backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, max_new_tokens=opts.max_new_tokens,
+        backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, device=opts.device,
+                               max_new_tokens=opts.max_new_tokens,
                                num_beams=opts.num_beams, batch_size=opts.batch_size, weighting=opts.feddpa_weights,
                                samples=opts.feddpa_samples, mode=opts.feddpa_mode)
     targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from adapters.device import module_device
 from fedmosaic import settings
 
 logger = logging.getLogger(__name__)
@@ -54,15 +55,26 @@ class LoadedModel:
     name: str
     dtype: settings.DType
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights live (read from them, so a moved model reports its new place)."""
+        return module_device(self.model)
+
     def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """Return the compute context for this model's dtype policy."""
-        return compute_context(self.dtype)
+        """Return the compute context for this model's dtype policy on its device."""
+        return compute_context(self.dtype, self.device.type)
 
 
-def compute_context(dtype: settings.DType) -> contextlib.AbstractContextManager[None]:
-    """Return ``torch.autocast`` to bf16 for ``autocast-bf16``, a no-op context otherwise."""
+def compute_context(dtype: settings.DType, device_type: str = "cpu") -> contextlib.AbstractContextManager[None]:
+    """Return ``torch.autocast(device_type, bfloat16)`` for ``autocast-bf16``, a no-op context otherwise.
+
+    Args:
+        dtype: the dtype policy.
+        device_type: the model's device type (``cpu`` or ``cuda``): autocast only affects operations
+            on its own device type, so a CUDA model under CPU autocast would silently run in fp32.
+    """
     if dtype == "autocast-bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -211,27 +223,34 @@ def load_base_model(
     name_or_path: str = SMOLLM2,
     dtype: settings.DType | None = None,
     cache: Path | None = None,
+    device: str | torch.device | None = None,
 ) -> LoadedModel:
-    """Load a frozen causal LM and its tokenizer.
+    """Load a frozen causal LM and its tokenizer onto a device.
 
     Args:
         name_or_path: ``smollm2`` (the embedded default), ``tiny`` (a seeded tiny random Llama for
             smoke runs), a local HF model folder, or a hub id (only where a network exists).
-        dtype: ``float32``, ``bfloat16`` or ``autocast-bf16``; defaults to the measured setting.
+        dtype: ``float32``, ``bfloat16`` or ``autocast-bf16``; defaults to ``FEDMOSAIC_DTYPE``, else
+            ``bfloat16`` on CUDA and the measured ``autocast-bf16`` on the CPU. The tiny model is
+            float32 unless a dtype is given.
         cache: cache root for ``smollm2``.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or a ``torch.device``; None reads
+            ``FEDMOSAIC_DEVICE`` (default ``auto``: CUDA when torch sees a GPU).
 
     Raises:
         ModelError: the folder does not exist or holds no model.
+        ValueError: an unknown dtype, or a device this machine does not have.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name_or_path == "tiny":  # the seeded tiny random Llama: identical on every call and machine
+    target = settings.resolve_device(device)
+    if dtype is not None and dtype not in settings.DTYPES:
+        raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
+    if name_or_path == "tiny":  # the seeded tiny random Llama: identical on every call, machine and device
         from fedmosaic.tiny import tiny_llama
 
-        return tiny_llama()
-    dtype = dtype or settings.default_dtype()
-    if dtype not in settings.DTYPES:
-        raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
+        return tiny_llama(device=target, dtype=dtype or "float32")
+    dtype = dtype or settings.default_dtype(target)
     path = resolve_model_path(name_or_path, cache)
     local = Path(path).expanduser()
     if (local.exists() or path.startswith((".", "/", "~"))) and not (local / "config.json").is_file():
@@ -242,6 +261,7 @@ def load_base_model(
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as exc:
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    model.to(target)
     if path != name_or_path:
         # The cache folder differs per machine; adapters record the model's canonical name instead.
         model.config.name_or_path = SMOLLM2_HUB_ID

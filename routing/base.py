@@ -36,7 +36,8 @@ class RoutingDecision:
 
     Attributes:
         names: K unique adapter names, in the order of the last weights axis; ``()`` is the base model.
-        weights: ``(K,)`` for the whole request or ``(T, K)`` per token; float32, finite.
+        weights: ``(K,)`` for the whole request or ``(T, K)`` per token; float32, finite, on the CPU (a
+            request's few numbers; :func:`stack_decisions` puts a batch's on the model's device).
         info: why these weights (read-only): ``mode``, ``S``, ``mean_similarity``, ``lambda``, ``a``...
     """
 
@@ -52,7 +53,7 @@ class RoutingDecision:
             raise RoutingError(f"adapter names in one decision must be unique, got {names}")
         if not isinstance(self.weights, torch.Tensor):
             raise RoutingError(f"routing weights must be a torch.Tensor, got {type(self.weights).__name__}")
-        weights = self.weights.detach().to(torch.float32)
+        weights = self.weights.detach().to("cpu", torch.float32)
         if weights.dim() not in (1, 2) or weights.shape[-1] != len(names):
             raise RoutingError(
                 f"routing weights must have shape (K,) or (T, K) with K={len(names)} for {names}, "
@@ -118,13 +119,15 @@ class Router(Protocol):
     def route(self, request: RoutingInput) -> RoutingDecision: ...
 
 
-def stack_decisions(decisions: Sequence[RoutingDecision]) -> tuple[tuple[str, ...], torch.Tensor]:
+def stack_decisions(decisions: Sequence[RoutingDecision],
+                    device: torch.device | str = "cpu") -> tuple[tuple[str, ...], torch.Tensor]:
     """Merge per-request decisions into the batch's ``(names, (B, K))`` for ``context.use``.
 
     Names are the union in first-seen order; a row has zero weight for adapters it did not name.
 
     Args:
         decisions: one whole-request decision per batch row.
+        device: where the matrix goes (the model's device: one copy instead of one per forward).
 
     Returns:
         The K names and the ``(B, K)`` weight matrix.
@@ -140,11 +143,11 @@ def stack_decisions(decisions: Sequence[RoutingDecision]) -> tuple[tuple[str, ..
             raise RoutingError("stack_decisions takes whole-request (K,) decisions, got a (T, K) one")
         for n in d.names:
             names.setdefault(n, len(names))
-    out = torch.zeros(len(decisions), len(names))  # (B, K)
+    out = torch.zeros(len(decisions), len(names), device="cpu")  # (B, K), filled on the host row by row
     for b, d in enumerate(decisions):
         if d.names:
-            out[b, [names[n] for n in d.names]] = d.weights
-    return tuple(names), out
+            out[b, [names[n] for n in d.names]] = d.weights.cpu()
+    return tuple(names), out.to(device)
 
 
 def check_fraction(value: float, what: str) -> float:

@@ -212,7 +212,8 @@ def batch_routing(routes: Sequence[AMoLEClientRoute | None],
         row_group.append(groups[route.key])
     if not chosen:
         return None
-    return AMoLERouting(groups=tuple(r.assignment for r in chosen), row_group=torch.tensor(row_group),
+    # row groups are host-side bookkeeping (AMoLERouting keeps them on the CPU)
+    return AMoLERouting(groups=tuple(r.assignment for r in chosen), row_group=torch.tensor(row_group, device="cpu"),
                         experts=tuple(r.bundle.experts for r in chosen), recorder=recorder)
 
 

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fedmosaic.settings import DEVICE_HELP, device_option, resolve_device
 from serving.settings import ServeSettings
 
 
@@ -23,6 +24,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="base model: smollm2, tiny, or an HF folder")
     p.add_argument("--served-model-name", default=None, help="name of the base model in the API")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
+    p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
     p.add_argument("--max-loras", type=int, default=16, help="adapters loaded at once (LRU beyond)")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -52,7 +54,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     extra = {"host": args.host, "port": args.port, "api_keys": args.api_key,
              "allow_runtime_lora": not args.no_runtime_lora} if hasattr(args, "host") else {}  # serve only
     return ServeSettings(
-        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, max_loras=args.max_loras,
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
+        max_loras=args.max_loras,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens_limit,
         run_dir=Path(runs[0]) if runs else None, adapters=adapters,
         adapter_root=Path(args.adapter_root) if args.adapter_root else None, feddpa_routing=args.feddpa_routing,
@@ -78,7 +81,7 @@ def add_batch_arguments(subparsers: Any) -> argparse.ArgumentParser:
     _add_model_arguments(p)
     p.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens of chat lines that set none")
     p.add_argument("--backend", choices=["auto", "torch", "vllm"], default="auto",
-                   help="auto: vLLM when it imports and CUDA is available, else the PyTorch engine")
+                   help="auto: vLLM when it imports and the device is CUDA, else the PyTorch engine")
     p.add_argument("--levels", type=int, default=11, help="vLLM backend: quantisation levels of the FedDPA weight")
     p.add_argument("--export-dir", default=None, help="vLLM backend: where (client, level) adapters are written")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -90,11 +93,15 @@ def run_batch(args: argparse.Namespace) -> int:
     from serving.api.app import stack_config
     from serving.batch import BatchConfig, run_batch
     from serving.stack import build_stack
-    from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend
+    from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend, vllm_importable
 
-    try:
-        backend = choose_backend(args.backend)
+    device = resolve_device(args.device)
+    try:  # auto takes vLLM only where the model runs on CUDA
+        backend = choose_backend(args.backend, cuda=None if device.type == "cuda" else False)
     except BackendUnavailable as exc:
+        if device.type != "cuda" and vllm_importable():  # vLLM is there: the device is what is missing
+            raise SystemExit(f"fedmosaic batch: --backend vllm runs on CUDA, but the device is {device} "
+                             "(--device / FEDMOSAIC_DEVICE)") from exc
         raise SystemExit(f"fedmosaic batch: {exc}") from exc
     settings = settings_from_args(args)
     stack = build_stack(stack_config(settings))

@@ -19,7 +19,10 @@ class ServeSettings(BaseSettings):
 
     model: str = Field("smollm2", description="base model: smollm2, tiny, or an HF model folder")
     served_model_name: str | None = Field(None, description="name of the base model in the API (default: model)")
-    dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE)")
+    dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE, "
+                                                "else bfloat16 on CUDA and autocast-bf16 on the CPU)")
+    device: str | None = Field(None, pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                               description="auto, cpu, cuda or cuda:N (default: FEDMOSAIC_DEVICE, else auto)")
     run_dir: Path | None = Field(None, description="a training run directory to serve (global + clients)")
     adapters: list[str] = Field(default_factory=list, description="extra adapters as name=folder")
     adapter_root: Path | None = Field(None, description="adapter folders must lie inside it (default: run dir)")

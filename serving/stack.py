@@ -41,6 +41,7 @@ class StackConfig:
         model: base model: ``smollm2``, ``tiny``, or an HF model folder.
         served_model_name: the base model's target name (default: ``model``).
         dtype: ``float32``, ``bfloat16`` or ``autocast-bf16`` (None: the setting's default).
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (None: ``FEDMOSAIC_DEVICE``, default auto).
         run_dir: a training run directory to serve (``global`` and every ``<client>:local``).
         adapters: extra adapters as ``name=folder``.
         adapter_root: adapter folders must resolve inside it (default: the run directory, else the
@@ -59,6 +60,7 @@ class StackConfig:
     model: str = "smollm2"
     served_model_name: str | None = None
     dtype: str | None = None
+    device: str | None = None
     run_dir: Path | None = None
     adapters: tuple[str, ...] = ()
     adapter_root: Path | None = None
@@ -235,7 +237,8 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
             embeddings when ``feddpa_routing`` is ``instance`` and they exist, else the fixed weight).
         loaded: an already-loaded base model to use instead of loading ``config.model``.
     """
-    loaded = loaded if loaded is not None else load_base_model(config.model, dtype=config.dtype)  # type: ignore[arg-type]
+    loaded = loaded if loaded is not None else load_base_model(
+        config.model, dtype=config.dtype, device=config.device)  # type: ignore[arg-type]
     adapted = inject(loaded.model, config.target_modules)
     engine = Engine(loaded, adapted, config.engine)
     specs = [(name, Path(path)) for name, _, path in (spec.partition("=") for spec in config.adapters)]

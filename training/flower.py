@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,7 @@ from safetensors.torch import load_file, save_file
 
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
+from fedmosaic import settings
 from training.algorithms import get_method
 from training.checkpoint import prune_strategy_state, save_round
 from training.flower_messages import (
@@ -79,6 +81,9 @@ class FlowerConfig:
         keep_strategy: newest complete rounds that keep their strategy tensors (0: every round).
         clients_per_task: split every task's data into this many clients (paper 000 A.1's 40-client study).
         sample_rate: per-task client sampling each round instead of ``fraction`` (as the simulator's).
+        device: where the base model runs: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; empty (the
+            default) lets each process decide by its own ``FEDMOSAIC_DEVICE`` (default ``auto``), since
+            the server and every SuperNode may sit on different hardware.
     """
 
     method: str = "feddpa-t"
@@ -96,6 +101,11 @@ class FlowerConfig:
     keep_strategy: int = 1
     clients_per_task: int = 1
     sample_rate: float | None = None
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        if self.device:
+            settings.check_device_spec(self.device, "the Flower run config's device")
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FlowerConfig:
@@ -110,12 +120,12 @@ class FlowerConfig:
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(model: str, preset_name: str) -> Runtime:
+def _runtime(model: str, preset_name: str, device: str = "") -> Runtime:
     # One base model per node process: Ray actors are reused across rounds in simulation (federated.md 2.3).
     # Clients load every tensor they train from the message, so the cached adapters never leak into a fit.
     from fedmosaic.models import load_base_model
 
-    return Runtime(load_base_model(model), preset(preset_name))
+    return Runtime(load_base_model(model, device=device or None), preset(preset_name))
 
 
 @functools.lru_cache(maxsize=2)
@@ -153,7 +163,7 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         addressed, ins = read_fit_content(msg.content)
         if addressed != client.client_id:
             raise ValueError(f"this node serves client {client.client_id!r}, the server addressed {addressed!r}")
-        rt = _runtime(cfg.model, cfg.preset)
+        rt = _runtime(cfg.model, cfg.preset, cfg.device)
         mirror = Path(cfg.client_dir or Path(cfg.out) / "flower-clients") / client.client_id
         m = get_method(cfg.method)
         opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
@@ -222,7 +232,7 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
     dataset = _dataset(cfg)
     sim = SimConfig(rounds=cfg.rounds, fraction=cfg.fraction, sample_rate=cfg.sample_rate, seed=cfg.seed,
                     embed=False)
-    rt = Runtime(load_base_model(cfg.model), preset(cfg.preset))  # fresh: the strategy's initial state
+    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset))  # the initial state
     strategy = m.strategy(opts)
     state = strategy.initial_state(rt)
     run.run_json.write_text(json.dumps({
@@ -230,7 +240,7 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
         "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": cfg.sample_rate,
         "clients_per_task": cfg.clients_per_task, "options": opts,
         "train": rt.train.asdict(), "inference_weight": m.mixture_weight(opts) or 0.0, "runtime": "flower",
-        "flower": asdict(cfg)}, indent=2))
+        "device": str(rt.device), "flower": asdict(cfg)}, indent=2))
     nodes = identify_nodes(grid, cfg.timeout)
     losses: list[float] = []
     up = down = 0
@@ -298,13 +308,24 @@ def _log(run: RunDir, row: dict[str, Any]) -> None:
         fh.write(json.dumps(row) + "\n")
 
 
+def client_resources(config: FlowerConfig, num_clients: int) -> dict[str, float]:
+    """Ray resources of one virtual SuperNode: a CPU, and an equal share of the GPU on a CUDA run.
+
+    Ray hides every GPU from an actor that asks for none (``CUDA_VISIBLE_DEVICES=""``), so on CUDA the
+    nodes ask for ``1 / num_clients`` of it each and share the card (each holds its own base model).
+    """
+    device = settings.resolve_device(config.device or None)
+    share = math.floor(10_000 / max(1, num_clients)) / 10_000 if device.type == "cuda" else 0.0
+    return {"num_cpus": 1, "num_gpus": share}
+
+
 def run_flower_simulation(config: FlowerConfig, num_clients: int) -> RunDir:
     """Run ``config`` in Flower's simulation runtime with ``num_clients`` virtual SuperNodes."""
     from flwr.simulation import run_simulation
 
     run_simulation(server_app=make_server_app(config), client_app=make_client_app(config),
                    num_supernodes=num_clients,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+                   backend_config={"client_resources": client_resources(config, num_clients)})
     return RunDir(Path(config.out))
 
 

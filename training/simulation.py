@@ -164,6 +164,8 @@ def _run_locked(
             if json.dumps(old.get(key), sort_keys=True) != json.dumps(config.get(key), sort_keys=True):
                 raise ValueError(f"cannot resume {run.root}: its {key} is {old.get(key)!r}, now {config.get(key)!r}")
     run.root.mkdir(parents=True, exist_ok=True)
+    # where this (part of the) run trained; not compared on resume: a run may continue on another device
+    config["device"] = str(loaded.device)
     run.run_json.write_text(json.dumps(config, indent=2))  # a resume may extend the rounds: record the new count
     if sim.clients_per_task > 1:
         dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.seed)

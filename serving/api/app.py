@@ -33,7 +33,7 @@ def stack_config(settings: ServeSettings) -> StackConfig:
     """The stack configuration of the server's settings."""
     s = settings
     return StackConfig(
-        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, run_dir=s.run_dir,
+        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
         adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
         max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,

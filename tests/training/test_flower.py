@@ -108,6 +108,7 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
         np.testing.assert_allclose(EmbeddingIndex.load(flower.client_dir(client)).raw,
                                    EmbeddingIndex.load(local.client_dir(client)).raw, atol=1e-5)
     assert (flower.round_dir(1) / "COMPLETE").is_file()
+    assert flower.read_config()["device"] == local.read_config()["device"] == "cpu"  # the run records its device
 
 
 def _rows(run: RunDir) -> dict[tuple[int, str], dict]:

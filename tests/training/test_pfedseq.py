@@ -127,7 +127,8 @@ def test_scan_backend_takes_the_kernel_only_with_package_cuda_and_cuda_tensors(
         ssm.scan_backend(torch.device(device), "triton")
 
 
-@pytest.mark.skipif(ssm.kernel_scan() is None or not torch.cuda.is_available(), reason="needs mamba-ssm on CUDA")
+@pytest.mark.cuda
+@pytest.mark.skipif(ssm.kernel_scan() is None, reason="needs mamba-ssm built for this GPU (../shared/gpu/mamba_ssm.sh)")
 def test_mamba_ssm_kernel_matches_the_pure_pytorch_learner() -> None:
     torch.manual_seed(0)
     learner = make_learner("ssm", 8, 10, backend="torch").cuda()

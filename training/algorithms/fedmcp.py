@@ -30,7 +30,7 @@ def fedmcp_loss(gamma: float, mu: float):  # noqa: ANN201
 
     def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
-        rows = torch.ones(ids.shape[0], 1)
+        rows = torch.ones(ids.shape[0], 1, device=ids.device)
         full = rt.model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
         with rt.adapted.context.use(("global",), rows, trainable=("global",)):
             glob = rt.model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
