@@ -74,7 +74,7 @@ class Executor:
             raise ValueError(f"runner 'fused' cannot serve this model: {reason}")
         else:
             logger.info("serving with the HF forward (%s)", reason)
-        if self.fast is not None and cuda_graphs and kv.device.type == "cuda":
+        if self.fast is not None and cuda_graphs and kv.device.type == "cuda" and torch.cuda.is_available():
             self.graphs = DecodeGraphs(self.fast, max_batch)
 
     def runner_name(self, adapters: Sequence[RowAdapters]) -> str:

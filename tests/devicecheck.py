@@ -12,7 +12,9 @@ to numpy or faiss without ``.cpu()``. :class:`ShadowDevice` is a ``TorchFunction
   :class:`DeviceMismatch` (0-dim CPU tensors are allowed, as CUDA allows CPU scalars; index tensors of
   ``t[idx]`` may be on the CPU), a ``generator=`` whose device differs from the tensor it fills or
   creates raises the error CUDA raises, and ``.numpy()`` of a marked tensor raises as on CUDA;
-* ``.to(cuda)`` / ``.cuda()`` mark a copy, ``.to("cpu")`` / ``.cpu()`` return an unmarked copy.
+* ``.to(cuda)`` / ``.cuda()`` mark a copy, ``.to("cpu")`` / ``.cpu()`` return an unmarked copy;
+* ``torch.Generator(device="cuda:N")`` inside the mode gives a CPU generator that reports the pretend
+  device (:class:`ShadowGenerator`), so code seeding per-request generators on the model's device runs.
 
 Everything computes for real, so data-dependent code (``.item()``, ``.tolist()``, ``nonzero``, faiss,
 numpy) runs and results can be compared with a plain CPU run. A marked tensor is one whose storage is
@@ -57,6 +59,34 @@ def _advanced(index: object) -> bool:
     """Whether ``t[index]`` is advanced indexing (a tensor or list in it), i.e. ``index_put`` for a setitem."""
     parts = index if isinstance(index, tuple) else (index,)
     return any(isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dim() > 0) for p in parts)
+
+
+_BASE_GENERATOR = torch.Generator
+
+
+class ShadowGenerator(_BASE_GENERATOR):
+    """A real CPU generator that reports a pretend CUDA device (what ``torch.Generator("cuda")`` is in the mode)."""
+
+    shadow: torch.device | None = None
+
+    @property  # type: ignore[misc]
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.shadow if self.shadow is not None else _BASE_GENERATOR.device.__get__(self)  # type: ignore[attr-defined]
+
+
+def _generator_factory(pretend: torch.device) -> type:
+    """A ``torch.Generator`` stand-in: a pretend-device request gives a :class:`ShadowGenerator`."""
+
+    class Generator(ShadowGenerator):
+        def __new__(cls, device: object = "cpu") -> torch.Generator:  # type: ignore[misc]
+            target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # type: ignore[arg-type]
+            if target.type != pretend.type:
+                return _BASE_GENERATOR(target)
+            generator = ShadowGenerator.__new__(ShadowGenerator, "cpu")
+            generator.shadow = pretend
+            return generator
+
+    return Generator
 
 
 class DeviceMismatch(RuntimeError):
@@ -134,8 +164,17 @@ class ShadowDevice(TorchFunctionMode):
             return True
         return False if any(t.dim() > 0 for t in tensors) else None
 
+    def __enter__(self) -> ShadowDevice:
+        self._real_generator = torch.Generator
+        torch.Generator = _generator_factory(self.device)  # type: ignore[misc]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.Generator = self._real_generator  # type: ignore[misc]
+        super().__exit__(*exc)
+
     def _check_generator(self, name: str, generator: object, on_gpu: bool) -> None:
-        if not isinstance(generator, torch.Generator):
+        if not isinstance(generator, _BASE_GENERATOR):
             return
         wanted = self.device.type if on_gpu else "cpu"
         if generator.device.type != wanted:

@@ -164,3 +164,17 @@ def test_routing_embeddings_leave_the_device_for_numpy() -> None:
     plain, pretend = _on_both(run)
     assert pretend.shape == plain.shape == (3, 64)
     assert abs(pretend - plain).max() < 1e-5
+
+
+def test_a_cuda_generator_in_the_mode_draws_on_the_cpu_and_a_cpu_one_is_caught() -> None:
+    real = torch.Generator
+    with ShadowDevice() as shadow:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        assert gen.device == shadow.device
+        drawn = torch.empty(4, device="cuda").exponential_(generator=gen)
+        assert shadow.on_device(drawn)
+        with pytest.raises(RuntimeError, match="generator"):
+            torch.empty(4, device="cuda").exponential_(generator=torch.Generator().manual_seed(1))
+    assert torch.Generator is real
+    same = torch.empty(4).exponential_(generator=real().manual_seed(1))
+    assert torch.equal(drawn, same)  # the pretend generator is a real CPU generator with the seed

@@ -94,9 +94,6 @@ def _answers(stack: ServingStack, targets: list[str]) -> list[tuple[str, dict[st
     return answers
 
 
-@pytest.mark.xfail(raises=(RuntimeError, TypeError), strict=True,
-                   reason="serving/engine.py, kv.py and sampling.py create CPU tensors (input ids, adapter weights, "
-                          "the KV mask and positions, CPU sampling generators): the GPU engine rewrite fixes them")
 @pytest.mark.parametrize("source", ["adapter", "feddpa-t", "fedamole"])
 def test_the_engine_serves_cpu_trained_runs_on_the_models_device(source: str, adapter_dir: Path,
                                                                  runs: dict[str, Path]) -> None:
