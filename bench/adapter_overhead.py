@@ -18,9 +18,8 @@ import time
 import torch
 
 from adapters import LoraConfig, inject
-from fedmosaic.models import load_base_model
-from fedmosaic.settings import DTYPES
-from fedmosaic.tiny import tiny_llama
+from models import load_base_model, tiny_llama
+from models.settings import DTYPES
 
 
 def main() -> None:

@@ -27,9 +27,8 @@ from adapters import LoraConfig, inject
 from adapters.amole_io import save_amole
 from adapters.amole_layer import add_amole_experts
 from adapters.context import ExpertRecorder
-from fedmosaic.models import load_base_model
-from fedmosaic.settings import DTYPES
-from fedmosaic.tiny import tiny_llama
+from models import load_base_model, tiny_llama
+from models.settings import DTYPES
 from serving.adapter_pool import AdapterPool
 from serving.amole_router import batch_routing
 

@@ -16,9 +16,8 @@ import time
 import torch
 
 from adapters import LoraConfig, inject
-from fedmosaic.models import compute_context, load_base_model
-from fedmosaic.settings import DTYPES
-from fedmosaic.tiny import tiny_llama
+from models import compute_context, load_base_model, tiny_llama
+from models.settings import DTYPES
 
 
 def median_time(fn, repeats: int) -> float:  # noqa: ANN001

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adapters import AdaptedModel, LoraConfig, inject  # noqa: E402
-from fedmosaic.models import LoadedModel  # noqa: E402
+from models import LoadedModel  # noqa: E402
 from serving.engine import Engine, EngineConfig  # noqa: E402
 from serving.request import GenerationRequest  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmosaic.evaluate import EvalOptions, compare_runs, evaluate_run
-from fedmosaic.models import load_base_model
+from models import load_base_model
 from training.data import load_dataset
 from training.runtime import preset
 from training.simulation import SimConfig, run_federated

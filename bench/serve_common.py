@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from adapters import LoraConfig, inject, save_adapter
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 

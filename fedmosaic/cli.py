@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fedmosaic import settings
+from models import settings
 
 # (module, add-arguments function, run function): registered when the module is importable, so a
 # partial install (for example without the serve extra) still offers the other subcommands.
@@ -35,29 +35,29 @@ OURS = ("adapters", "routing", "training", "serving", "demos", "fedmosaic")
 
 
 def _models(args: argparse.Namespace) -> int:
-    from fedmosaic import models
+    from models import prepare
 
     cache = Path(args.cache_dir) if args.cache_dir else None
     if args.action == "prepare":
-        if args.name != models.SMOLLM2:
-            raise SystemExit(f"fedmosaic models prepare: only '{models.SMOLLM2}' is embedded; got {args.name!r}")
-        folder = models.prepare_smollm2(cache, force=args.force)
+        if args.name != prepare.SMOLLM2:
+            raise SystemExit(f"fedmosaic models prepare: only '{prepare.SMOLLM2}' is embedded; got {args.name!r}")
+        folder = prepare.prepare_smollm2(cache, force=args.force)
         print(folder)
     elif args.action == "verify":
-        folder = models.smollm2_dir(cache)
-        problem = models.check_cache(folder, full=True) if folder.is_dir() else "not prepared"
+        folder = prepare.smollm2_dir(cache)
+        problem = prepare.check_cache(folder, full=True) if folder.is_dir() else "not prepared"
         print(f"{folder}: {'ok' if problem is None else problem}")
         return 0 if problem is None else 1
     elif args.action == "list":
         root = cache or settings.cache_dir()
-        found = sorted(p for p in root.glob("*") if (p / models.MANIFEST).is_file()) if root.is_dir() else []
+        found = sorted(p for p in root.glob("*") if (p / prepare.MANIFEST).is_file()) if root.is_dir() else []
         for folder in found:
-            problem = models.check_cache(folder)
+            problem = prepare.check_cache(folder)
             print(f"{folder.name}\t{folder}\t{'ok' if problem is None else problem}")
         if not found:
             print(f"no prepared models under {root}; run `fedmosaic models prepare smollm2`")
     elif args.action == "tiny":
-        from fedmosaic.tiny import save_tiny_llama
+        from models import save_tiny_llama
 
         print(save_tiny_llama(Path(args.name)))
     return 0
@@ -65,7 +65,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from adapters import LoraConfig, inject, load_adapter
-    from fedmosaic.models import load_base_model
+    from models import load_base_model
     from serving.generation import GenerationConfig, generate
 
     loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)

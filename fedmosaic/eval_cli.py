@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedmosaic import settings
 from fedmosaic.evaluate import WEIGHTING, EvalOptions, compare_runs, evaluate_run
+from models import settings
 from training.evaluation.metrics import METRICS
 
 

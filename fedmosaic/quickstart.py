@@ -28,7 +28,6 @@ import webbrowser
 from pathlib import Path
 from typing import Any
 
-from fedmosaic import settings
 from fedmosaic.quickstart_procs import (
     Child,
     QuickstartError,
@@ -40,6 +39,7 @@ from fedmosaic.quickstart_procs import (
     supervise,
     wait_ready,
 )
+from models import settings
 
 # The paper's short Alpaca template, which training uses (training.data.prompts.ALPACA_SHORT).
 INSTRUCTION = "### Instruction:\n{instruction}\n\n### Response:\n"

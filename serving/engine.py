@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from adapters import AdaptedModel
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.amole_router import AMoLEClientRoute, AMoLERegistry, registry_for
 from serving.errors import EngineNotReady, EngineOverloaded
 from serving.executor import Executor, RowOut

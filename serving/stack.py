@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from adapters import AdaptedModel, inject
-from fedmosaic.models import LoadedModel, load_base_model
+from models import LoadedModel, load_base_model
 from serving.adapter_pool import AdapterPool, Lease, RunInfo
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest, GenerationResult, RequestHandle

@@ -189,7 +189,7 @@ class VLLMBackend:
             raise BackendUnavailable("the vLLM backend needs the vllm package (pip install 'fedmosaic[gpu]')")
         import vllm
 
-        from fedmosaic.models import resolve_model_path
+        from models import resolve_model_path
 
         self.stack, self.chunk, self._vllm = stack, chunk, vllm
         self.levels = LevelExporter(stack, export_dir, levels)

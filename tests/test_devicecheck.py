@@ -18,7 +18,7 @@ from torch import nn
 from adapters import AdaptedModel, LoraAdapter, LoraConfig, inject
 from adapters.amole_layer import add_amole_experts, token_proj_state
 from adapters.context import AMoLERouting
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from routing.embedding import embed_prompts
 from tests.devicecheck import PRETEND, DeviceMismatch, ShadowDevice
 

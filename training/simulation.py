@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 from training.algorithms import get_method

@@ -20,7 +20,7 @@ from adapters import (
     load_adapter,
     save_adapter,
 )
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 
 IDS = torch.tensor([[5, 17, 33, 8, 90, 4], [9, 10, 11, 12, 13, 14], [3, 4, 5, 6, 7, 8]])
 

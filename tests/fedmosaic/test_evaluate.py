@@ -19,7 +19,7 @@ from adapters.rundir import RunDir
 from fedmosaic.cli import main
 from fedmosaic.eval_backend import StackBackend, open_backend
 from fedmosaic.evaluate import EvalItem, EvalOptions, evaluate_run, served_targets
-from fedmosaic.tiny import save_tiny_llama, tiny_llama
+from models import save_tiny_llama, tiny_llama
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 from serving.errors import InvalidRequest

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from adapters import LoraConfig, inject
-from fedmosaic.models import LoadedModel
-from fedmosaic.tiny import tiny_llama
+from models import LoadedModel, tiny_llama
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest
 from serving.runner.inputs import RowAdapters

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from adapters import LoraConfig
 from adapters.rundir import RunDir
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from training.algorithms import get_method
 from training.algorithms.pfedseq import RECEIVED, PFedSeqClient, PFedSeqConfig, PFedSeqStrategy, checksum
 from training.checkpoint import load_round, save_round
