@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedmosaic.evaluate import EvalOptions, compare_runs, evaluate_run
+from fedmosaic.evaluation.evaluate import EvalOptions, compare_runs, evaluate_run
 from models import load_base_model
 from training.data import load_dataset
 from training.runtime import preset

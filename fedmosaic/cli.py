@@ -21,7 +21,7 @@ from models import settings
 # partial install (for example without the serve extra) still offers the other subcommands.
 PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("training.cli", "add_train_arguments", "run_train"),
-    ("fedmosaic.eval_cli", "add_eval_arguments", "run_eval"),
+    ("fedmosaic.evaluation.cli", "add_eval_arguments", "run_eval"),
     ("serving.cli", "add_serve_arguments", "run_serve"),
     ("serving.cli", "add_batch_arguments", "run_batch"),
     ("fedmosaic.data_cli", "add_data_arguments", "run_data"),

@@ -207,7 +207,8 @@ def _serve(args: argparse.Namespace, out: Path, began: float) -> int:
     return supervise(children)
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal handler signature
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM handler (the signal handler signature): stop the quick start as Ctrl-C does."""
     raise KeyboardInterrupt
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from training.evaluation import Prediction, PredictionCache, Scores, example_scores, plots, score, tables
+from fedmosaic.evaluation import plots, tables
+from fedmosaic.evaluation.metrics import Scores, example_scores, score
+from fedmosaic.evaluation.predictions import Prediction, PredictionCache
 
 
 def test_rouge_and_exact_on_hand_checked_pairs() -> None:
