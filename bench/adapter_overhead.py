@@ -53,7 +53,7 @@ def main() -> None:
         "mixed": (names, torch.cat([torch.full((batch, 1), 0.5), 0.5 * eye], dim=1)),
     }
 
-    def prefill(case: str):  # noqa: ANN202
+    def prefill(case: str):
         names_k, w = cases[case]
         with adapted.context.use(names_k, w):
             return model(ids, use_cache=True)

@@ -70,10 +70,10 @@ def main() -> None:
     one = [registry.route(pool.acquire([f"c{i}"]).names[0]) for i in range(batch)]
     paths = tuple(adapted.layers)
 
-    def lora_ctx():  # noqa: ANN202
+    def lora_ctx():
         return adapted.context.use(lora, torch.eye(batch))
 
-    def amole_ctx(routes, recorder=None):  # noqa: ANN001, ANN202
+    def amole_ctx(routes, recorder=None):
         return adapted.context.route_amole(batch_routing(routes, recorder))
 
     cases: dict[str, Callable[[], object]] = {

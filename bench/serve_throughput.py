@@ -41,7 +41,7 @@ def run_jobs(stack: ServingStack, jobs: list[Job]) -> float:
     return timed(lambda: list(stack.run(jobs)))
 
 
-def peft_model(model_name: str, dtype: str | None, folders: list[Path]):  # noqa: ANN201
+def peft_model(model_name: str, dtype: str | None, folders: list[Path]):
     """A separate copy of the base model with every client's mixture as a named PEFT adapter."""
     from peft import PeftModel
 
@@ -53,7 +53,7 @@ def peft_model(model_name: str, dtype: str | None, folders: list[Path]):  # noqa
     return loaded, model
 
 
-def peft_sequential(loaded, model, texts: list[str], tokens: int) -> float:  # noqa: ANN001
+def peft_sequential(loaded, model, texts: list[str], tokens: int) -> float:
     def go() -> None:
         for c, text in enumerate(texts):
             model.set_adapter(f"c{c}")

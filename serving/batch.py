@@ -182,7 +182,7 @@ def _answer(line: Line, outcome: Outcome, created: int) -> tuple[int, dict[str, 
         echo = (outcome.job.prompt or "") if getattr(line.body, "echo", False) else ""
         return 200, builders.completion_body(f"cmpl-{uuid.uuid4().hex}", created, line.body.model, outcome.plan,
                                              outcome.result, echo)
-    except Exception as exc:  # noqa: BLE001 - an engine error or cancellation of this line only
+    except Exception as exc:  # an engine error or cancellation of this line only
         logger.error("line %d (%s) failed: %s", line.n, line.custom_id, exc)
         return error_payload(exc)
 
@@ -240,7 +240,7 @@ def run_batch(executor: Executor, tokenizer: object, input_path: str | Path, out
                 continue
             try:
                 jobs.append(_job(line, tokenizer, config))
-            except Exception as exc:  # noqa: BLE001 - template or limit errors of this line only
+            except Exception as exc:  # template or limit errors of this line only
                 record(line, *error_payload(exc))
                 continue
             by_n[line.n] = line

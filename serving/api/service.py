@@ -113,7 +113,7 @@ def sse(state: ServerState, started: Started, endpoint: str,
                 tail["choices"], tail["usage"] = [], usage(result)
                 yield f"data: {json.dumps(tail)}\n\n"
             record(state, started, result, endpoint)
-        except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band as OpenAI does
+        except Exception as exc:  # headers are sent; report in-band as OpenAI does
             yield f"data: {json.dumps(error_payload(exc)[1])}\n\n"
         finally:
             if not handle.done:

@@ -62,7 +62,7 @@ class Spy:
     def __init__(self, inner: StackBackend) -> None:
         self.inner, self.base_name, self.calls = inner, inner.base_name, 0
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate models/describe/add_adapter/remove_adapter
+    def __getattr__(self, name: str):  # delegate models/describe/add_adapter/remove_adapter
         return getattr(self.inner, name)
 
     def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
@@ -208,7 +208,7 @@ def test_each_target_decodes_in_its_own_stream(tmp_path: Path) -> None:
     streams: list[set[str]] = []
     real_run = backend.stack.run
 
-    def recording_run(jobs, window=None):  # noqa: ANN001, ANN202 - the real ServingStack.run, watched
+    def recording_run(jobs, window=None):  # the real ServingStack.run, watched
         seen: set[str] = set()
         streams.append(seen)
         yield from real_run((seen.add(job.target) or job for job in jobs), window)

@@ -71,7 +71,7 @@ def test_prediction_cache_resumes_after_interruption(tmp_path: Path) -> None:
     prompts = [f"p{i}" for i in range(5)]
     calls: list[list[str]] = []
 
-    def flaky(ps):  # noqa: ANN001, ANN202
+    def flaky(ps):
         calls.append(list(ps))
         if len(calls) == 2:
             raise KeyboardInterrupt  # interrupted during the second batch
