@@ -76,8 +76,6 @@ class Lifecycle:
     eos_ids: frozenset[int]
     device: torch.device
 
-    def _route(self, name: str) -> object: ...  # the engine's AMoLE route lookup
-
     def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters: ...
 
     def _encode(self, text: str) -> list[int]:
@@ -99,10 +97,12 @@ class Lifecycle:
                 f"the prompt has {len(ids)} tokens; this server allows {self.config.max_model_len} "
                 "tokens of prompt plus completion", param="messages")
         loaded = set(getattr(self.adapted, "configs", {}) or {})
-        missing = [n for n in request.adapter_names if n not in loaded and self._route(n) is None]
+        missing = [n for n in request.adapter_names if n not in loaded]
         if missing:
             raise AdapterNotFound(f"adapters {missing} are not loaded in the model")
-        route = self._amole_route(request)
+        route = request.route
+        if route is not None and any(n not in loaded for n in route.bundle.adapter_names):
+            raise AdapterNotFound(f"the AMoLE version {route.bundle.internal!r} is no longer loaded")
         params = request.sampling
         try:
             generator = make_generator(params, self.device)
@@ -115,16 +115,6 @@ class Lifecycle:
         if route is not None:
             seq.info = route.info()
         return seq
-
-    def _amole_route(self, request: GenerationRequest):  # noqa: ANN202 - AMoLEClientRoute | None
-        """The request's AMoLE route, or None; an AMoLE route must be the only adapter, at weight 1."""
-        routes = [r for r in map(self._route, request.adapter_names) if r is not None]
-        if not routes:
-            return None
-        if len(request.adapter_names) != 1 or tuple(request.adapter_weights) != (1.0,) or request.weight_fn:
-            raise InvalidRequest("an AMoLE client routes every token itself: request it alone, at weight 1, "
-                                 "without a weight_fn", param="adapters")
-        return routes[0]
 
     def begin_prefill(self, seq: Sequence) -> None:
         """Enter the first prefill phase (``route`` for a routed request, else ``fill``)."""

@@ -21,10 +21,11 @@ import torch
 from transformers.cache_utils import Cache
 
 from adapters import AdaptedModel
-from adapters.context import ExpertRecorder
+from adapters.amole_routing import ExpertRecorder
+from adapters.context import weight_matrix
 from serving.amole_router import batch_routing
 from serving.kv import SlotKV
-from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput, weight_matrix
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
 
 
 class SlotCache(Cache):
@@ -92,10 +93,10 @@ class HFRunner:
             if any(r.names or not r.plain for r in rows):
                 raise RuntimeError("adapters were requested but the model has none injected")
             return contextlib.nullcontext()
-        names, weights = weight_matrix(rows, self.device)
+        names, weights = weight_matrix([(r.names, r.weights) if r.plain else ((), ()) for r in rows], self.device)
         routing = batch_routing([r.amole for r in rows], recorder) if any(not r.plain for r in rows) else None
         if routing is not None:
-            return self.adapted.context.route_amole(routing, names, weights if names else None)
+            return self.adapted.context.route_tokens(routing, names, weights if names else None)
         if names:
             return self.adapted.context.use(names, weights)
         return contextlib.nullcontext()

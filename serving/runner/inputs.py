@@ -2,13 +2,12 @@
 
 A row is one sequence (one KV slot) with its adapter weights for this forward: names ``(K,)`` and
 weights ``(K,)``, one row of the per-row weight matrix of DESIGN.md's one contract, or an AMoLE route
-(paper 002 section 4.2: per-token routing inside the layers). :func:`weight_matrix` is the one place
-that turns a batch of rows into the ``(B, K)`` matrix over the union of their adapters.
+(paper 002 section 4.2: per-token routing inside the layers); :func:`adapters.context.weight_matrix`
+turns a batch of rows into the ``(B, K)`` matrix over the union of their adapters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,28 +76,3 @@ class StepOutput:
     states: torch.Tensor | None = None
     recorder: Any = None
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def weight_matrix(rows: Sequence[RowAdapters], device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> tuple[tuple[str, ...], torch.Tensor]:
-    """The union of the rows' adapter names and the ``(B, K)`` weights over it (AMoLE rows: zeros).
-
-    Args:
-        rows: each row's adapters.
-        device: where the matrix lives (the model's device).
-        dtype: its dtype.
-
-    Returns:
-        ``(names, weights)``; ``names`` in first-use order.
-    """
-    index: dict[str, int] = {}
-    for row in rows:
-        if row.plain:
-            for name in row.names:
-                index.setdefault(name, len(index))
-    matrix = [[0.0] * len(index) for _ in rows]
-    for b, row in enumerate(rows):
-        if row.plain:
-            for name, w in zip(row.names, row.weights, strict=True):
-                matrix[b][index[name]] = float(w)
-    return tuple(index), torch.tensor(matrix, dtype=dtype).reshape(len(rows), len(index)).to(device)
