@@ -49,6 +49,7 @@ from serving.errors import EngineNotReady, EngineOverloaded
 from serving.executor import Executor, RowOut
 from serving.kv import SlotKV
 from serving.lifecycle import EngineConfig, Lifecycle
+from serving.logits import RowHistory
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
 from serving.sequence import Sequence, error_status, failed, result
@@ -293,8 +294,11 @@ class Engine(Lifecycle):
                 break
             n = min(len(seq.ids) - seq.filled, budget)
             budget -= n
+            req = seq.handle.request
+            final = seq.phase == "fill" or not req.exact_prefill  # this pass's KV and logits are kept
             row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
-                             seq.adapters, want_state=seq.phase == "route")
+                             seq.adapters, want_state=seq.phase == "route",
+                             all_logits=final and req.sampling.prompt_logprobs is not None)
             (plain if seq.adapters.plain else solo).append((seq, row))
         groups = ([plain] if plain else []) + [[item] for item in solo]
         for group in groups:
@@ -304,6 +308,8 @@ class Engine(Lifecycle):
                 if isinstance(out, Exception):
                     self._fail(seq, out, finished)
                     continue
+                if out.chunk_logits is not None:
+                    self.record_prompt_logprobs(seq, row, out.chunk_logits)
                 seq.filled = row.end
                 try:
                     if seq.filled == len(seq.ids) and self.prefilled(seq, out):
@@ -337,11 +343,16 @@ class Engine(Lifecycle):
         self._sampled([s for s, _ in ok], [o.logits for _, o in ok], finished)
 
     def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None:
-        tokens = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs])
-        for seq, token in zip(seqs, tokens, strict=True):
-            if isinstance(token, Exception):
-                self._fail(seq, token, finished)
+        histories = [RowHistory(s.ids, s.output, self.eos_ids) for s in seqs]
+        picked = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs],
+                                      histories)
+        for seq, choice in zip(seqs, picked, strict=True):
+            if isinstance(choice, Exception):
+                self._fail(seq, choice, finished)
                 continue
+            token, logprob = choice
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             reason = self.advance(seq, token)
             if reason is not None:
                 self._end(seq, result(seq, reason), finished)

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from serving.errors import AdapterNotFound, InvalidRequest
+from serving.logits import token_logprobs
 from serving.request import FinishReason, GenerationRequest, RequestHandle
 from serving.sampling import TextTracker, make_generator
 from serving.sequence import Sequence
 
 if TYPE_CHECKING:
     from serving.executor import RowOut
-    from serving.runner.inputs import RowAdapters
+    from serving.runner.inputs import PrefillRow, RowAdapters
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,10 @@ class Lifecycle:
             raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
         if any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        vocab_ids = [t for t, _ in request.sampling.logit_bias] + list(request.sampling.stop_token_ids)
+        if any(t >= self.vocab_size for t in vocab_ids):
+            raise InvalidRequest(f"logit_bias and stop_token_ids take token ids below the vocabulary size "
+                                 f"{self.vocab_size}", param="logit_bias")
         if len(ids) >= self.config.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens; this server allows {self.config.max_model_len} "
@@ -152,11 +157,19 @@ class Lifecycle:
         seq.phase = "decode"
         return True
 
+    def record_prompt_logprobs(self, seq: Sequence, row: PrefillRow, logits: torch.Tensor) -> None:
+        """Prompt tokens' log-probabilities from a chunk's (n, V) logits: position p predicts token p + 1."""
+        if row.start == 0:
+            seq.prompt_logprobs = [None]  # nothing predicts the first token (a re-prefill starts over)
+        k = int(seq.handle.request.sampling.prompt_logprobs or 0)
+        nxt = [seq.ids[p + 1] for p in range(row.start, row.end) if p + 1 < len(seq.ids)]  # the last: a completion's
+        seq.prompt_logprobs += token_logprobs(logits[: len(nxt)], nxt, [k] * len(nxt))
+
     def advance(self, seq: Sequence, token: int) -> FinishReason | None:
         """Record one generated token, stream its text, and say whether the sequence is finished."""
         params = seq.handle.request.sampling
         seq.output.append(token)
-        if token in self.eos_ids and not params.ignore_eos:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.handle.push(seq.tracker.flush())
             return "stop"
         delta, stopped = seq.tracker.push(token)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from serving.logits import TokenLogprob
 from serving.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class GenerationResult:
         error: the message when ``finish_reason`` is ``error``.
         error_status: with an error, the HTTP-neutral status: 400 the request caused it, 500 the
             server failed (the message names the request id), 504 the server's deadline passed.
+        logprobs: per generated token, its log-probability and top alternatives (when asked for).
+        prompt_logprobs: per prompt token likewise, None for the first (nothing predicts it).
     """
 
     request_id: str
@@ -113,6 +116,8 @@ class GenerationResult:
     route_info: Mapping[str, Any] = field(default_factory=dict)
     error: str | None = None
     error_status: int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class RequestHandle:

@@ -38,6 +38,7 @@ class PrefillRow:
         start: position of ``tokens[0]`` (the slot already holds ``start`` positions).
         adapters: weights of this pass.
         want_state: return the final-layer state of the chunk's last token (FedDPA routing).
+        all_logits: return the logits of every position of the chunk (prompt log-probabilities).
     """
 
     slot: int
@@ -45,6 +46,7 @@ class PrefillRow:
     start: int
     adapters: RowAdapters = RowAdapters()
     want_state: bool = False
+    all_logits: bool = False
 
     @property
     def end(self) -> int:
@@ -70,9 +72,11 @@ class StepOutput:
         logits: (B, V) next-token logits at each row's last token (float32 not required).
         states: (B, H) float32 final-layer states of the last tokens, when asked for.
         recorder: the AMoLE expert recorder of the forward, when AMoLE rows took part.
+        all_logits: per row, (n, V) logits of every chunk position for rows that asked, else None.
     """
 
     logits: torch.Tensor
     states: torch.Tensor | None = None
     recorder: Any = None
+    all_logits: list[torch.Tensor | None] | None = None
     info: dict[str, Any] = field(default_factory=dict)

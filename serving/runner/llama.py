@@ -269,10 +269,17 @@ class LlamaRunner:
             return out.reshape(B * T, self.hq, self.head_dim)
 
         last = torch.tensor([b * T + len(r.tokens) - 1 for b, r in enumerate(rows)], device=dev)
+        every: list[torch.Tensor | None] | None = None
         with self.autocast():
             x, residual = self.forward_tokens(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
                                               torch.tensor(wslot, device=dev), torch.tensor(wpos, device=dev),
                                               attend, lora)
             logits, states = self.head(x.index_select(0, last), residual.index_select(0, last))
+            if any(r.all_logits for r in rows):
+                every = []
+                for b, r in enumerate(rows):
+                    real = torch.arange(b * T, b * T + len(r.tokens), device=dev)
+                    every.append(self.head(x.index_select(0, real), residual.index_select(0, real))[0]
+                                 if r.all_logits else None)
         want = any(r.want_state for r in rows)
-        return StepOutput(logits=logits, states=states.float() if want else None)
+        return StepOutput(logits=logits, states=states.float() if want else None, all_logits=every)
