@@ -4,7 +4,7 @@ Imports only torch and safetensors (DESIGN.md dependency rule).
 """
 
 from adapters.config import AdapterError, LoraConfig
-from adapters.context import AdapterContext, AdapterWeights
+from adapters.context import AdapterContext, AdapterWeights, TokenRouting, weight_matrix
 from adapters.device import module_device
 from adapters.export import concat_adapters, export_mixture
 from adapters.inject import AdaptedModel, inject
@@ -19,6 +19,7 @@ __all__ = [
     "LoraAdapter",
     "LoraConfig",
     "MultiLoraLinear",
+    "TokenRouting",
     "concat_adapters",
     "export_mixture",
     "inject",
@@ -26,5 +27,6 @@ __all__ = [
     "module_device",
     "read_adapter_folder",
     "save_adapter",
+    "weight_matrix",
     "write_adapter_folder",
 ]

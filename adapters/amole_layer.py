@@ -20,9 +20,9 @@ from torch import nn
 from adapters.amole import amole_forward
 from adapters.amole_union import GroupSetup, union_forward, union_ids
 from adapters.config import AdapterError, LoraConfig
-from adapters.context import AMoLEExperts, AMoLERouting
 
 if TYPE_CHECKING:
+    from adapters.amole_routing import AMoLEExperts, AMoLERouting
     from adapters.inject import AdaptedModel
     from adapters.layer import MultiLoraLinear
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from adapters.amole import amole_delta_dense
-from adapters.context import ExpertRecorder
 
 if TYPE_CHECKING:
+    from adapters.amole_routing import ExpertRecorder
     from adapters.layer import MultiLoraLinear
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from adapters.amole_layer import amole_layer_forward
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext, AdapterWeights
 from adapters.functional import gathered_lora_delta, lora_delta, slot_usage, stack_padded, weight_column
@@ -88,7 +87,7 @@ class MultiLoraLinear(nn.Module):
         self.layer_name = name
         self.adapters = nn.ModuleDict()
         self.merged: str | None = None
-        self.token_proj: nn.Parameter | None = None  # AMoLE router (r, d), see adapters.amole_layer
+        self.token_proj: nn.Parameter | None = None  # a per-token router's projection (r, d): AMoLE's P
         self._original_weight: torch.Tensor | None = None
         # (names, dtype) -> (parameter versions, A stack, B stack), reused while the adapters are unchanged
         self._stack_cache: dict[tuple[tuple[str, ...], torch.dtype],
@@ -181,8 +180,8 @@ class MultiLoraLinear(nn.Module):
         if self.merged is not None:
             self._check_merged(state, x)
             return result
-        if state is not None and state.amole is not None:
-            result = amole_layer_forward(self, x, result, state.amole)
+        if state is not None and state.routing is not None:
+            result = state.routing.forward(self, x, result)  # a per-token router (AMoLE) adds its update
             # Plain-adapter rows may share the batch (serving); their weights follow below.
         if state is None or not state.names:
             return result

@@ -26,7 +26,7 @@ import torch
 from adapters import LoraConfig, inject
 from adapters.amole_io import save_amole
 from adapters.amole_layer import add_amole_experts
-from adapters.context import ExpertRecorder
+from adapters.amole_routing import ExpertRecorder
 from fedmosaic.models import load_base_model
 from fedmosaic.settings import DTYPES
 from fedmosaic.tiny import tiny_llama
@@ -67,15 +67,14 @@ def main() -> None:
     lora = [f"l{i}" for i in range(batch)]
     for i, name in enumerate(lora):
         adapted.add_adapter(name, config, seed=100 + i)
-    registry = pool.amole
-    one = [registry.route(pool.acquire([f"c{i}"]).names[0]) for i in range(batch)]
+    one = [pool.acquire([f"c{i}"]).route for i in range(batch)]
     paths = tuple(adapted.layers)
 
     def lora_ctx():  # noqa: ANN202
         return adapted.context.use(lora, torch.eye(batch))
 
     def amole_ctx(routes, recorder=None):  # noqa: ANN001, ANN202
-        return adapted.context.route_amole(batch_routing(routes, recorder))
+        return adapted.context.route_tokens(batch_routing(routes, recorder))
 
     cases: dict[str, Callable[[], object]] = {
         "base": adapted.context.base,

@@ -20,7 +20,8 @@ loading them. All state changes happen under the engine's model lock.
 A FedAMoLE model (an ``adapters/amole`` folder, or a run directory holding one; paper 002) is one
 entry too, of kind ``amole`` (:mod:`serving.amole_router`): it takes one slot, versions and leases
 like a LoRA adapter, and serves each client of its assignments under the client's own name. A lease
-on a client hands out the route name ``<name>@<version>/<client>``.
+on a client hands out a typed :class:`~serving.amole_router.AMoLEClientRoute` (the bundle version and
+that client's assignment only), which the request carries to the engine.
 """
 
 from __future__ import annotations
@@ -35,14 +36,21 @@ from adapters import AdaptedModel, AdapterError, load_adapter
 from adapters.rundir import RunDir
 from serving.amole_router import (
     AMoLEBundle,
+    AMoLEClientRoute,
     AMoLERegistry,
     amole_folder,
     client_names,
     load_bundle,
-    registry_for,
     unload_bundle,
 )
-from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, NoFreeSlot, PathNotAllowed
+from serving.errors import (
+    AdapterExists,
+    AdapterLoadFailed,
+    AdapterNotFound,
+    InvalidRequest,
+    NoFreeSlot,
+    PathNotAllowed,
+)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
 
@@ -97,14 +105,18 @@ class _Entry:
 
 
 class Lease:
-    """The internal adapter names a request decodes with; release exactly once when it finishes.
+    """The adapter versions a request decodes with; release exactly once when it finishes.
 
-    ``names`` go into the request (AMoLE clients as route names); ``keys`` are the versions held.
+    ``names`` are the internal names of its plain adapters (they go into the request's
+    ``adapter_names``); ``route`` is its AMoLE client's route when it leased one; ``keys`` are the
+    versions held.
     """
 
-    def __init__(self, pool: AdapterPool, names: tuple[str, ...], keys: tuple[str, ...] | None = None) -> None:
+    def __init__(self, pool: AdapterPool, names: tuple[str, ...], keys: tuple[str, ...] | None = None,
+                 route: AMoLEClientRoute | None = None) -> None:
         self.pool = pool
         self.names = names
+        self.route = route
         self.keys = names if keys is None else keys
         self._released = False
 
@@ -124,7 +136,7 @@ class AdapterPool:
         max_loras: adapters loaded at once.
         model_lock: the engine's model lock (every change to the model happens under it).
         check_base: refuse adapters trained on another base model.
-        amole: where AMoLE versions are registered for the engine (default: the model's registry).
+        amole: the registry of the AMoLE versions resident in the model (default: a new one).
     """
 
     def __init__(self, adapted: AdaptedModel, root: Path | None = None, max_loras: int = 8,
@@ -142,7 +154,7 @@ class AdapterPool:
         self._retired: set[str] = set()  # replaced or unloaded versions still leased
         self._versions: dict[str, int] = {}  # never reset, so a name's versions never repeat
         self._tick = 0
-        self.amole = amole if amole is not None else registry_for(adapted)
+        self.amole = amole if amole is not None else AMoLERegistry()
         self._amole_clients: dict[str, str] = {}  # AMoLE client name -> its entry's name
 
     # --- paths ---------------------------------------------------------------------------------
@@ -268,13 +280,16 @@ class AdapterPool:
     def acquire(self, names: Iterable[str]) -> Lease:
         """Lease the current versions of ``names`` (reloading evicted ones) for one request.
 
-        ``names`` are adapter names or AMoLE client names.
+        ``names`` are adapter names or one AMoLE client's name (alone: a client routes every token
+        over its own experts, it does not mix with plain adapters).
 
         Returns:
-            A lease whose ``names`` are the internal adapter names (AMoLE clients: route names), in order.
+            A lease whose ``names`` are the plain adapters' internal names, in order, and whose
+            ``route`` is the AMoLE client's route (None without one).
 
         Raises:
             AdapterNotFound: a name is not registered.
+            InvalidRequest: an AMoLE client named together with other adapters.
             NoFreeSlot: an evicted adapter cannot be reloaded because nothing can be evicted.
         """
         wanted = tuple(names)
@@ -283,8 +298,12 @@ class AdapterPool:
                        and (n not in self._entries or self._entries[n].kind != "lora")]
             if missing:
                 raise AdapterNotFound(f"adapters {missing} are not loaded; loaded: {sorted(self._entries)}")
+            routed = [n for n in wanted if n in self._amole_clients]
+            if routed and len(wanted) > 1:
+                raise InvalidRequest(f"the AMoLE client {routed[0]!r} routes every token itself; request it alone",
+                                     param="model")
             owners = tuple(self._amole_clients.get(n, n) for n in wanted)
-            request_names, keys = [], []
+            plain, keys, route = [], [], None
             for name, owner in zip(wanted, owners, strict=True):
                 entry = self._entries[owner]
                 if entry.internal is None:
@@ -293,11 +312,13 @@ class AdapterPool:
                 entry.last_used = self._tick
                 assert entry.internal is not None
                 keys.append(entry.internal)
-                request_names.append(self.amole.route_name(entry.internal, name) if entry.kind == "amole"
-                                     else entry.internal)
+                if entry.kind == "amole":
+                    route = self.amole.route(entry.internal, name)
+                else:
+                    plain.append(entry.internal)
             for key in keys:
                 self._leases[key] = self._leases.get(key, 0) + 1
-            return Lease(self, tuple(request_names), tuple(keys))
+            return Lease(self, tuple(plain), tuple(keys), route)
 
     def _release(self, internal: tuple[str, ...]) -> None:
         with self.lock:

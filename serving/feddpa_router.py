@@ -16,17 +16,15 @@ every request draws from fresh entropy.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from routing.base import RoutingDecision
 from routing.cache import IndexCache
 from routing.feddpa import FedDPARouter
-from serving.targets import GLOBAL, LOCAL_SUFFIX
 
 
 @dataclass
@@ -51,14 +49,12 @@ class InstanceWeightRouter:
         return cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed),  # type: ignore[arg-type]
                    IndexCache.for_run(run_dir), version)
 
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[Mapping[str, float], Mapping[str, Any]]:
+    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision:
         if hidden_state is None:
             raise ValueError("instance-wise FedDPA weighting needs the prompt's hidden state")
         generator = None
         if self.router.mode == "random" and self.router.seed is not None:
             state = hidden_state.detach().float().cpu().contiguous().numpy().tobytes()
             generator = np.random.default_rng([self.router.seed, zlib.crc32(client.encode()), zlib.crc32(state)])
-        decision = self.router.decide(hidden_state, self.cache.get(client, self.version), generator)
-        w = dict(zip(decision.names, decision.weights.tolist(), strict=True))
-        weights = {GLOBAL: float(w["global"]), f"{client}{LOCAL_SUFFIX}": float(w["local"])}
-        return weights, {**dict(decision.info), "source": "instance"}
+        decision = self.router.decide(hidden_state, self.cache.get(client, self.version), generator, client)
+        return RoutingDecision(decision.names, decision.weights, {**dict(decision.info), "source": "instance"})

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from adapters import AdaptedModel, module_device
+from adapters.context import weight_matrix
 from serving.errors import InvalidRequest
 from serving.targets import TargetPlan
 
@@ -112,7 +113,12 @@ def _weights(names: Sequence[str], weights: object, n: int) -> torch.Tensor:
         return torch.zeros(n, 0, device="cpu")  # validated on the host, moved by the caller
     if weights is None:
         raise ValueError(f"weights are required for adapters {list(names)}")
-    w = weights if isinstance(weights, torch.Tensor) else torch.tensor(weights, dtype=torch.float32, device="cpu")
+    if isinstance(weights, torch.Tensor):
+        w = weights
+    else:  # rows of weights over the same names: the one builder (adapters.context.weight_matrix)
+        rows = [list(r) for r in weights] if weights and isinstance(weights[0], Sequence) else [list(weights)]  # type: ignore[index, arg-type]
+        w = weight_matrix([(tuple(names), r) for r in rows])[1] if all(len(r) == len(names) for r in rows) \
+            else torch.tensor(rows, dtype=torch.float32)
     if w.dim() == 1:
         w = w.unsqueeze(0)
     if w.shape[0] == 1 and n != 1:

@@ -133,16 +133,22 @@ class Outcome:
         """The adapter weights the decode used, keyed by the plan's (pool) adapter names."""
         if self.plan is None or self.result is None or not self.plan.names:
             return {}
+        if self.plan.mode == "amole":  # the client at weight 1: its experts are weighted per token inside
+            return dict(zip(self.plan.names, self.plan.weights, strict=True))
         return dict(zip(self.plan.names, self.result.adapter_weights, strict=True))
 
 
-def request_for(plan: TargetPlan, adapter_names: Sequence[str], job: Job, request_id: str | None = None
+def request_for(plan: TargetPlan, lease: Lease | None, job: Job, request_id: str | None = None
                 ) -> GenerationRequest:
-    """The engine request serving ``plan`` for ``job`` (``adapter_names``: the lease's internal names)."""
+    """The engine request serving ``plan`` for ``job`` with the versions ``lease`` holds."""
     extra: dict[str, Any] = {"request_id": request_id} if request_id is not None else {}
+    if lease is not None and lease.route is not None:  # an AMoLE client: its route, no plain adapters
+        return GenerationRequest(prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
+                                 route=lease.route, **extra)
     return GenerationRequest(
-        prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling, adapter_names=tuple(adapter_names),
-        adapter_weights=plan.weights, weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights,
+        prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
+        adapter_names=lease.names if lease is not None else (), adapter_weights=plan.weights,
+        weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights,
         exact_prefill=job.exact_prefill and plan.weight_fn is not None, **extra)
 
 
@@ -181,7 +187,7 @@ class ServingStack:
         plan = self.plan(job.target, job.mixture)
         lease = self.lease(plan)
         try:
-            handle = self.engine.submit(request_for(plan, lease.names if lease else (), job, request_id))
+            handle = self.engine.submit(request_for(plan, lease, job, request_id))
         except Exception:
             if lease is not None:
                 lease.release()

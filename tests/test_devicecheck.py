@@ -17,7 +17,7 @@ from torch import nn
 
 from adapters import AdaptedModel, LoraAdapter, LoraConfig, inject
 from adapters.amole_layer import add_amole_experts, token_proj_state
-from adapters.context import AMoLERouting
+from adapters.amole_routing import AMoLERouting
 from fedmosaic.tiny import tiny_llama
 from routing.embedding import embed_prompts
 from tests.devicecheck import PRETEND, DeviceMismatch, ShadowDevice
@@ -139,11 +139,11 @@ def test_amole_layer_training_and_union_inference_stay_on_the_device() -> None:
         routing = AMoLERouting(groups=(a, b), row_group=torch.tensor([0, 1, 0], device=adapted.device))
         assert routing.row_group.device.type == "cpu"  # host-side bookkeeping, whatever it was given on
         adapted.model.train()
-        with adapted.context.route_amole(routing):  # training: one group at a time, with gradients
+        with adapted.context.route_tokens(routing):  # training: one group at a time, with gradients
             loss = adapted.model(input_ids=ids, labels=ids).loss
         adapted.model.eval()
         loss.backward()
-        with torch.no_grad(), adapted.context.route_amole(AMoLERouting(groups=(a, b), row_group=torch.tensor(
+        with torch.no_grad(), adapted.context.route_tokens(AMoLERouting(groups=(a, b), row_group=torch.tensor(
                 [0, 1, -1], device="cpu"))):  # inference: both clients over the union of their experts
             union = adapted.model(input_ids=ids).logits
         proj = next(iter(adapted.layers.values())).token_proj

@@ -77,7 +77,8 @@ def usage(result: GenerationResult) -> dict[str, int]:
 
 def extension(plan: TargetPlan, result: GenerationResult | None) -> dict[str, Any]:
     """The ``fedmosaic`` response field: mode, weights used per adapter, routing info."""
-    weights = result.adapter_weights if result is not None else plan.weights
+    # an AMoLE client decodes with its route, no plain adapters: its plan's weight (1 on the client) stands
+    weights = result.adapter_weights if result is not None and plan.mode != "amole" else plan.weights
     info = dict(result.route_info) if result is not None and result.route_info else dict(plan.info or {})
     return {"mode": plan.mode, "weights": dict(zip(plan.names, weights, strict=True)), "info": info}
 

@@ -19,7 +19,7 @@ import torch
 
 from adapters import AdaptedModel, inject, load_adapter
 from adapters.amole_io import load_amole
-from adapters.context import AMoLERouting
+from adapters.amole_routing import AMoLERouting
 from fedmosaic.cli import main
 from fedmosaic.models import load_base_model
 from fedmosaic.tiny import tiny_llama
@@ -90,7 +90,7 @@ def _assert_cpu_argmax(reference: tuple[AdaptedModel, object, dict], outcome: Ou
         if amole:
             routing = AMoLERouting(groups=(amole["assignments"][outcome.job.target],),
                                    row_group=torch.zeros(1, dtype=torch.long), top_k=amole["top_k"])
-            with adapted.context.route_amole(routing):
+            with adapted.context.route_tokens(routing):
                 logits = adapted.model(input_ids=ids).logits[0]
         else:
             weights = outcome.weights()

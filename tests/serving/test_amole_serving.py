@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from adapters import LoraConfig, inject
 from adapters.amole_io import load_amole, save_amole
 from adapters.amole_layer import add_amole_experts
-from adapters.context import AMoLERouting, ExpertRecorder
+from adapters.amole_routing import AMoLERouting, ExpertRecorder
 from fedmosaic.models import LoadedModel
 from fedmosaic.tiny import tiny_llama
 from serving.adapter_pool import AdapterPool
@@ -83,8 +83,10 @@ def request(served: tuple[Engine, AdapterPool, TargetResolver], model: str, n: i
     plan = resolver.resolve(model)
     lease = pool.acquire(plan.names)
     lease.release()
-    return GenerationRequest(prompt=prompt or PROMPTS.get(model, "Convert 5 km"), sampling=greedy(n),
-                             adapter_names=lease.names, adapter_weights=plan.weights)
+    text = prompt or PROMPTS.get(model, "Convert 5 km")
+    if lease.route is not None:  # an AMoLE client: the typed route, no plain adapters
+        return GenerationRequest(prompt=text, sampling=greedy(n), route=lease.route)
+    return GenerationRequest(prompt=text, sampling=greedy(n), adapter_names=lease.names, adapter_weights=plan.weights)
 
 
 def direct_greedy(folder: Path, client: str, prompt: str, n: int) -> tuple[list[int], torch.Tensor]:
@@ -100,7 +102,7 @@ def direct_greedy(folder: Path, client: str, prompt: str, n: int) -> tuple[list[
         recorder = ExpertRecorder()
         routing = AMoLERouting(groups=(assignments[client],), row_group=torch.tensor([0]), top_k=top_k,
                                recorder=recorder)
-        with torch.inference_mode(), adapted.context.route_amole(routing):
+        with torch.inference_mode(), adapted.context.route_tokens(routing):
             logits = tiny.model(torch.tensor([ids + out])).logits[0, -1]
         usage += recorder.counts(paths, NUM_EXPERTS, 1, last_token=True)[0]
         out.append(int(logits.argmax()))
@@ -200,10 +202,14 @@ def test_usage_counts_per_layer_in_a_shared_batch(served) -> None:  # noqa: ANN0
 
 def test_request_errors(served) -> None:  # noqa: ANN001
     engine, pool, resolver = served
-    with pytest.raises(AdapterNotFound):
-        engine.submit(GenerationRequest(prompt="x", adapter_names=("amole@1/nobody",), adapter_weights=(1.0,)))
-    with pytest.raises(InvalidRequest, match="alone, at weight 1"):
-        engine.submit(GenerationRequest(prompt="x", adapter_names=("amole@1/c0",), adapter_weights=(0.5,)))
+    with pytest.raises(AdapterNotFound):  # a route is a typed field, never an encoded adapter name
+        engine.submit(GenerationRequest(prompt="x", adapter_names=("amole@1/c0",), adapter_weights=(1.0,)))
+    route = pool.acquire(["c0"])
+    route.release()
+    with pytest.raises(ValueError, match="routes every token itself"):
+        GenerationRequest(prompt="x", route=route.route, adapter_names=("plain@1",), adapter_weights=(1.0,))
+    with pytest.raises(InvalidRequest, match="request it alone"):
+        pool.acquire(["c0", "plain"])
     with pytest.raises(InvalidRequest, match="AMoLE clients"):
         resolver.resolve("tiny", [("c0", 1.0), ("plain", 0.5)])
     with pytest.raises(AdapterExists, match="clashes"):
@@ -218,8 +224,7 @@ def test_hot_reload_keeps_in_flight_requests_on_their_version(served, root: Path
     engine, pool, resolver = served
     v1 = engine.generate([request(served, "c0", 8)])[0]
     lease = pool.acquire(["c0"])
-    handle = engine.submit(GenerationRequest(prompt=PROMPTS["c0"], sampling=greedy(8), adapter_names=lease.names,
-                                             adapter_weights=(1.0,)))
+    handle = engine.submit(GenerationRequest(prompt=PROMPTS["c0"], sampling=greedy(8), route=lease.route))
     handle.add_done_callback(lease.release)
     engine.step()
     engine.step()

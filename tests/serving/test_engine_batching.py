@@ -16,7 +16,7 @@ from serving.engine import Engine, EngineConfig
 from serving.kv import SlotKV
 from serving.request import GenerationRequest
 from serving.runner.hf import HFRunner
-from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, weight_matrix
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
 from serving.runner.llama import LlamaRunner, unsupported_reason
 from serving.sampling import SamplingParams, TextTracker, filter_logits, sample_batch
 from tests.serving.helpers import adapted_with
@@ -135,12 +135,6 @@ def test_a_reloaded_adapter_is_copied_into_its_slot_again(tiny: LoadedModel) -> 
 
 def test_unsupported_models_are_named() -> None:
     assert "model type" in str(unsupported_reason(torch.nn.Linear(2, 2), 16))
-
-
-def test_weight_matrix_is_the_union_of_the_rows() -> None:
-    names, w = weight_matrix([RowAdapters(("a", "b"), (0.5, 0.5)), RowAdapters(("b",), (1.0,)), RowAdapters()])
-    assert names == ("a", "b")
-    assert w.tolist() == [[0.5, 0.5], [0.0, 1.0], [0.0, 0.0]]
 
 
 def test_filter_logits_matches_a_naive_loop() -> None:

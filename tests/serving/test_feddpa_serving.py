@@ -72,9 +72,9 @@ def test_seeded_random_draws_depend_on_the_prompt_not_on_request_order(run_dir: 
     width = tiny_llama().model.config.hidden_size
     states = [torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in range(6)]
     first = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)
-    forward = [first("sorting", s)[1]["mean_similarity"] for s in states]
+    forward = [first("sorting", s).info["mean_similarity"] for s in states]
     again = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)  # e.g. a resumed evaluation
-    backward = [again("sorting", s)[1]["mean_similarity"] for s in reversed(states)]
+    backward = [again("sorting", s).info["mean_similarity"] for s in reversed(states)]
     assert forward == backward[::-1]
     other = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=1)
-    assert [other("sorting", s)[1]["mean_similarity"] for s in states] != forward  # the seed matters
+    assert [other("sorting", s).info["mean_similarity"] for s in states] != forward  # the seed matters
