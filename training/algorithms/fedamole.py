@@ -29,7 +29,7 @@ import torch
 
 from adapters.amole import load_balance_loss
 from adapters.amole_layer import SHARED, add_amole_experts, expert_name
-from adapters.context import AMoLERouting
+from adapters.amole_routing import AMoLERouting
 from training.data import collate
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
@@ -204,7 +204,7 @@ class FedAMoLEClient(ClientAlgorithm):
             # one client: every row in group 0 (host-side grouping, see AMoLERouting.row_group)
             rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long, device="cpu")
             routing = AMoLERouting(groups=(assignment,), row_group=rows, top_k=cfg.top_k, shared=cfg.shared_expert)
-            with rt_.adapted.context.route_amole(routing):
+            with rt_.adapted.context.route_tokens(routing):
                 out = rt_.model(**batch)
             lb = torch.stack([load_balance_loss(g, idx) for _, g, idx in routing.stats]).sum()  # summed over modules
             return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
@@ -239,7 +239,7 @@ class FedAMoLEClient(ClientAlgorithm):
             routing = AMoLERouting(groups=(assignment,), row_group=torch.zeros(mask.shape[0], dtype=torch.long,
                                                                                device="cpu"),
                                    top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe)
-            with torch.inference_mode(), rt.adapted.context.route_amole(routing):
+            with torch.inference_mode(), rt.adapted.context.route_tokens(routing):
                 rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
         noise_seed = derive_seed(ctx.seed, "embed-noise", round_idx, ctx.client_id)
