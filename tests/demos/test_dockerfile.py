@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from importlib import metadata
 from pathlib import Path
@@ -144,7 +145,9 @@ def serve_only_venv(root: Path) -> Path:
         for top in sorted({f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}):
             if not (site / top).exists() and Path(dist.locate_file(top)).exists():
                 (site / top).symlink_to(Path(dist.locate_file(top)))
-    own = metadata.distribution("fedmosaic")  # pip writes fedmosaic's metadata (its extras) into the image too
+    # pip writes fedmosaic's metadata (its extras) into the image too. Read it from site-packages: an
+    # editable install also leaves fedmosaic.egg-info in the repository, which `python -m pytest` finds first.
+    own = next(metadata.distributions(name="fedmosaic", path=[sysconfig.get_paths()["purelib"]]))
     for top in sorted({f.parts[0] for f in own.files or [] if f.parts[0].endswith(".dist-info")}):
         (site / top).symlink_to(Path(own.locate_file(top)))
     copied = {src for stage in stages() for ins, args in stage if ins == "COPY" for src in shlex.split(args)[:-1]}
