@@ -27,6 +27,8 @@ _DOMAIN: tuple[tuple[type[Exception], int, str, str], ...] = (
     (errors.ModelNotFound, 404, "NotFoundError", "model_not_found"),
     (errors.AdapterNotFound, 404, "NotFoundError", "adapter_not_found"),
     (errors.AdapterExists, 400, "BadRequestError", "adapter_exists"),
+    (errors.AdapterPinned, 409, "ConflictError", "adapter_pinned"),
+    (errors.NameReserved, 400, "BadRequestError", "name_reserved"),
     (errors.AdapterLoadFailed, 400, "BadRequestError", "adapter_load_failed"),
     (errors.PathNotAllowed, 403, "PermissionDeniedError", "path_not_allowed"),
     (errors.NoFreeSlot, 503, "ServiceUnavailableError", "no_free_adapter_slot"),
@@ -40,8 +42,8 @@ _DOMAIN: tuple[tuple[type[Exception], int, str, str], ...] = (
 )
 
 _HTTP = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-         405: "MethodNotAllowed", 413: "RequestTooLarge", 429: "RateLimitError", 503: "ServiceUnavailableError",
-         504: "GatewayTimeoutError"}
+         405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 429: "RateLimitError",
+         503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 
 def envelope(status: int, message: str, type_: str, code: str | None, param: str | None = None,

@@ -114,7 +114,7 @@ def test_batch_file_in_openai_format(stack: ServingStack, run_dir: Path, tmp_pat
     assert not (tmp_path / "out.jsonl.partial").exists()
 
     # the same request over HTTP gets the same answer (the builders are shared)
-    with TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir))) as client:
+    with TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, routing_details="all"))) as client:
         for _ in range(300):
             if client.get("/health").status_code == 200:
                 break
