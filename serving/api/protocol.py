@@ -218,16 +218,19 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: str | None = Field(None, max_length=0)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, value: Any) -> Any:
-        if isinstance(value, str):
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                          for t in x)
+
+        if isinstance(value, str) or ids(value):
             return value
-        if not value or any(isinstance(p, list | str) and not p for p in value):
-            raise ValueError("prompt takes a non-empty string, or a non-empty list of non-empty prompts")
-        if any(isinstance(t, int) and t < 0 for p in value for t in (p if isinstance(p, list) else [p])):
-            raise ValueError("token ids are >= 0")
-        return value
+        if isinstance(value, list) and value and (all(isinstance(p, str) for p in value) or all(map(ids, value))):
+            return value
+        raise ValueError("prompt takes a string, a non-empty list of strings, a list of token ids (integers >= 0) "
+                         "or a non-empty list of such lists")
 
     @field_validator("best_of", "suffix", mode="before")
     @classmethod
