@@ -122,7 +122,13 @@ def sampling_params(body: SamplingFields, limits: Limits, seed: int | None = Non
         InvalidRequest: ``max_tokens`` above the limit, or a parameter the engine refuses (named).
     """
     asked = requested_max_tokens(body)
-    tokens = asked if asked is not None else min(limits.default_max_tokens, limits.max_tokens_limit)
+    explicit = bool(body.model_fields_set & {"max_tokens", "max_completion_tokens"})
+    if asked is None:
+        tokens = min(limits.default_max_tokens, limits.max_tokens_limit)
+    elif not explicit:  # the wire default (completions: OpenAI's 16) yields to a lower server limit
+        tokens = min(asked, limits.max_tokens_limit)
+    else:
+        tokens = asked
     if tokens > limits.max_tokens_limit:
         raise InvalidRequest(f"max_tokens is {tokens}; this server allows at most {limits.max_tokens_limit}",
                              param="max_tokens")

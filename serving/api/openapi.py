@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 
 from serving.api.protocol import ErrorResponse
 
+ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 WHY = {
     400: "invalid request (the message and `param` name the field)",
     401: "missing or unknown API key",
@@ -45,6 +46,23 @@ def json_or_sse() -> dict[int | str, dict[str, Any]]:
                               "text/event-stream": {"schema": {"type": "string"}}}}}
 
 
+def _limits(components: dict[str, Any], app: FastAPI) -> None:
+    """Write this server's limits into the request schemas (``max_tokens``, ``n``)."""
+    settings = getattr(getattr(app.state, "server", None), "settings", None)
+    if settings is None:
+        return
+    bounds = {"max_tokens": settings.max_tokens_limit, "max_completion_tokens": settings.max_tokens_limit,
+              "n": settings.max_choices}
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        for field, bound in bounds.items():
+            prop = components.get(name, {}).get("properties", {}).get(field)
+            for option in (prop or {}).get("anyOf", [prop] if prop else []):
+                if option.get("type") == "integer":
+                    option["maximum"] = min(bound, option.get("maximum", bound))
+            if prop is not None and isinstance(prop.get("default"), int) and prop["default"] > bound:
+                prop["default"] = bound
+
+
 def install(app: FastAPI, secured: bool) -> None:
     """Replace ``app.openapi`` with the document described in the module docstring (built once).
 
@@ -61,10 +79,17 @@ def install(app: FastAPI, secured: bool) -> None:
                 for operation in item.values():
                     responses = operation.get("responses", {})
                     responses.pop("422", None)
+                    ok = responses.get("200", {}).get("content", {})
+                    if len(ok) > 1 and not ok.get("application/json", {}).get("schema"):
+                        ok.pop("application/json", None)  # FastAPI's default beside the declared media type
+                    for status, response in responses.items():
+                        if status != "200":  # every error is the JSON envelope, whatever the 200 is
+                            response["content"] = {"application/json": {"schema": ERROR_REF}}
                     if not secured:
                         operation.pop("security", None)
                         responses.pop("401", None)
             components = schema.get("components", {}).get("schemas", {})
+            _limits(components, app)
             for unused in ("HTTPValidationError", "ValidationError"):
                 components.pop(unused, None)
             if not secured:

@@ -27,7 +27,7 @@ def _stack(state: ServerState) -> ServingStack:
     return state.stack
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+@router.post("/v1/load_lora_adapter", response_model=None,
              responses={**text(), **errors(400, 401, 403, 404, 413, 503)})
 async def load_lora_adapter(caller: Admin, body: LoadLoraAdapterRequest, state: State) -> PlainTextResponse:
     """Load (or with ``load_inplace`` reload, as a new version) a PEFT adapter folder under the adapter root."""
@@ -37,7 +37,7 @@ async def load_lora_adapter(caller: Admin, body: LoadLoraAdapterRequest, state: 
     return PlainTextResponse(f"Success: LoRA adapter '{info.name}' added successfully (version {info.version}).")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+@router.post("/v1/unload_lora_adapter", response_model=None,
              responses={**text(), **errors(400, 401, 403, 404, 409, 413, 503)})
 async def unload_lora_adapter(caller: Admin, body: UnloadLoraAdapterRequest,
                               state: State) -> PlainTextResponse:

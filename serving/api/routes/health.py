@@ -39,12 +39,12 @@ def metrics_router(protected: bool) -> APIRouter:
     metrics = APIRouter()
     content = text(CONTENT_TYPE_LATEST.split(";")[0], f"Prometheus exposition text ({CONTENT_TYPE_LATEST})")
     if protected:
-        @metrics.get("/metrics", response_class=Response, responses={**content, **errors(401, 403)})
+        @metrics.get("/metrics", response_model=None, responses={**content, **errors(401, 403)})
         def protected_metrics(request: Request, caller: Admin) -> Response:
             """Prometheus exposition of the server's metrics (admin keys only on this server)."""
             return _render(request)
     else:
-        @metrics.get("/metrics", response_class=Response, responses=content)
+        @metrics.get("/metrics", response_model=None, responses=content)
         def open_metrics(request: Request) -> Response:
             """Prometheus exposition of the server's metrics."""
             return _render(request)

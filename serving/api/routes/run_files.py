@@ -59,7 +59,7 @@ def list_run_files(request: Request) -> dict[str, Any]:
     return {"object": "list", "run": run.name, "data": files}
 
 
-@router.get("/v1/run/files/{path:path}", response_model=None, response_class=FileResponse,
+@router.get("/v1/run/files/{path:path}", response_model=None,
             responses={200: {"description": "the file", "content": {
                 media.split(";")[0]: {"schema": {"type": "string", "format": "binary"}}
                 for media in MEDIA_TYPES.values()}}, **errors(400, 401, 403, 404)})
