@@ -1,19 +1,15 @@
 """The Flower bridge: any registered method as a Flower ServerApp / ClientApp (flwr 1.41, Message API).
 
-The server runs the simulator's round loop itself (Flower's "write the loop yourself" option,
-anchors/federated.md 2.2), so every method fits unchanged:
+The ServerApp runs the one round loop (:mod:`training.rounds`) with the Grid transport of
+:mod:`training.flower_transport` (Flower's "write the loop yourself" option, anchors/federated.md 2.2),
+so every method fits unchanged and a Flower run's directory matches the simulator's: the clients are
+selected as the simulator selects them, each node gets one ``train`` message per round with ITS
+instructions (wire format: :mod:`training.flower_messages`), and the checkpoints, metrics rows and final
+adapters are the loop's.
 
-1. once per run, a ``query.identify`` message to every node: each answers with its ``partition-id``
-   and the data set client it serves, giving the node -> client map;
-2. each round, the clients are selected as the simulator selects them, the method's
-   ``strategy.configure_round`` gives each its own FitIns, and each node gets one ``train`` message
-   with ITS instructions (state as an ``ArrayRecord``, config as a ``ConfigRecord``, see
-   :mod:`training.flower_messages`); replies become FitRes, an error reply or a missing one is logged
-   and left out, then ``aggregate``, ``evaluate``, the round checkpoint (with ``strategy.state_dict()``)
-   and the metrics rows, as in :mod:`training.simulation`;
-3. at the end, the method's ``export`` when it has one (FedAMoLE: experts, token projections,
-   assignments), else a ``train.finalize`` message for methods with a local adapter, then the PEFT
-   folders.
+The ClientApp here is each node's half: it answers ``query.identify`` with the data set client it serves
+(its ``partition-id``), runs the method's client ``fit`` on ``train`` and its ``finalize`` on
+``train.finalize`` (FedDPA's nodes then embed their own instances for the serving router).
 
 FedAMoLE needs no separate embedding phase: as in the reference loop (METHODS.md 1.6), clients embed
 their embedding set right after local training and upload the embeddings with the round's weights;
@@ -28,10 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
-import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,24 +34,15 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
 
-from adapters import write_adapter_folder
 from adapters.rundir import RunDir
 from fedmosaic import settings
 from training.algorithms import get_method
-from training.checkpoint import prune_strategy_state, save_round
-from training.flower_messages import (
-    FINALIZE,
-    exchange,
-    identify_nodes,
-    identity_content,
-    read_fit_content,
-    reply_content,
-)
-from training.protocol import ClientContext, FitIns, FitRes, StateDict, state_bytes
+from training.flower_messages import identity_content, read_fit_content, reply_content
+from training.flower_transport import FlowerTransport
+from training.personalize import finish_client
+from training.protocol import ClientContext, FitRes, StateDict
+from training.rounds import RoundConfig, RunPlan, run_record, run_rounds
 from training.runtime import Runtime, TrainConfig, preset
-from training.simulation import RunSummary, SimConfig, save_instance_index, select_clients
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,8 +88,14 @@ class FlowerConfig:
     device: str = ""
 
     def __post_init__(self) -> None:
+        self.round_config()  # the loop's own checks (rounds, fraction, keep_strategy)
         if self.device:
             settings.check_device_spec(self.device, "the Flower run config's device")
+
+    def round_config(self) -> RoundConfig:
+        """The round loop's part of these settings (the simulator's client selection)."""
+        return RoundConfig(rounds=self.rounds, fraction=self.fraction, sample_rate=self.sample_rate, seed=self.seed,
+                           keep_strategy=self.keep_strategy)
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FlowerConfig:
@@ -164,15 +154,12 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         if addressed != client.client_id:
             raise ValueError(f"this node serves client {client.client_id!r}, the server addressed {addressed!r}")
         rt = _runtime(cfg.model, cfg.preset, cfg.device)
-        mirror = Path(cfg.client_dir or Path(cfg.out) / "flower-clients") / client.client_id
+        mirror = _client_dir(cfg) / client.client_id
         m = get_method(cfg.method)
         opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
         ctx = ClientContext(client.client_id, client, rt, _load_private(context, mirror), cfg.seed)
-        if finalize:
-            m.client(opts).finalize(ins.state, ctx)
-            if m.instance_weighting and ins.state:  # the router's index is built where the instances live
-                rt.set("global", ins.state)
-                save_instance_index(rt, client, mirror)
+        if finalize:  # the router's index is built where the instances live
+            finish_client(m, m.client(opts), ins.state, ctx, mirror)
             res = FitRes(client.client_id, {}, len(client.train), {})
         else:
             res = m.client(opts).fit(ins, ctx)
@@ -206,7 +193,7 @@ def _store_private(context: Context, mirror: Path, private: dict[str, StateDict]
 
 
 def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
-    """A ServerApp running the method's server half in the simulator's round loop."""
+    """A ServerApp running the method's server half in the round loop (:mod:`training.rounds`)."""
     app = ServerApp()
 
     @app.main()
@@ -222,90 +209,23 @@ def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
 def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
     from fedmosaic.models import load_base_model
 
-    t0 = time.perf_counter()
     m = get_method(cfg.method)
     if m.centralized:
         raise ValueError(f"{m.name} pools every client's data in one trainer; run it in the simulator")
-    if run.run_json.is_file():
-        raise FileExistsError(f"{run.root} already holds a run; pick another out directory")
     opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
-    dataset = _dataset(cfg)
-    sim = SimConfig(rounds=cfg.rounds, fraction=cfg.fraction, sample_rate=cfg.sample_rate, seed=cfg.seed,
-                    embed=False)
+    rounds = cfg.round_config()
     rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset))  # the initial state
-    strategy = m.strategy(opts)
-    state = strategy.initial_state(rt)
-    run.run_json.write_text(json.dumps({
-        "method": m.name, "data": cfg.data, "data_options": cfg.data_options, "model": cfg.model, "seed": cfg.seed,
-        "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": cfg.sample_rate,
-        "clients_per_task": cfg.clients_per_task, "options": opts,
-        "train": rt.train.asdict(), "inference_weight": m.mixture_weight(opts) or 0.0, "runtime": "flower",
-        "device": str(rt.device), "flower": asdict(cfg)}, indent=2))
-    nodes = identify_nodes(grid, cfg.timeout)
-    losses: list[float] = []
-    up = down = 0
-    failures_all: list[tuple[int, str, str]] = []
-    for r in range(cfg.rounds):
-        began = time.perf_counter()
-        selected = select_clients(dataset, sim, r)
-        present = [c for c in selected if c in nodes]
-        instructions = strategy.configure_round(r, present, state)
-        results, failures = exchange(grid, {c: (nodes[c], instructions[c]) for c in present}, cfg.timeout)
-        failures += [(c, "no connected node serves this client") for c in selected if c not in nodes]
-        for cid, error in failures:
-            logger.warning("flower round %d: client %s left out: %s", r, cid, error)
-            _log(run, {"round": r, "client": cid, "status": "failed", "error": error})
-        round_up = sum(res.bytes for res in results)
-        round_down = sum(state_bytes(instructions[res.client_id].state) for res in results)
-        for res in results:
-            _log(run, {"round": r, "client": res.client_id, "status": "ok", "num_examples": res.num_examples,
-                       "bytes_down": state_bytes(instructions[res.client_id].state), "bytes_up": res.bytes,
-                       **res.metrics})
-        new = strategy.aggregate(r, results, failures, state)
-        state = new if new is not None else state
-        server_metrics = strategy.evaluate(r, state) or {}
-        losses.append(sum(x.metrics.get("loss", 0.0) for x in results) / max(1, len(results)))
-        up, down, failures_all = up + round_up, down + round_down, failures_all + [(r, c, e) for c, e in failures]
-        save_round(run, r, state, strategy.state_dict(), {}, rt.train.lora, rt.adapted.base_model_name,
-                   peft_global=m.export is None)
-        prune_strategy_state(run, cfg.keep_strategy)
-        _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures),
-                   "loss": losses[-1], "bytes_up": round_up, "bytes_down": round_down,
-                   "seconds": round(time.perf_counter() - began, 3), **server_metrics})
-        logger.info("flower round %d: %d results, %d failures", r, len(results), len(failures))
-    if m.export is not None:
-        m.export(run, rt, state, strategy)
-    else:
-        _finish(grid, cfg, run, m.has_local, nodes, state, rt)
-    summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
-                         round(time.perf_counter() - t0, 2))
-    (run.root / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    config = run_record(m, opts, rounds, rt.train, data=cfg.data, data_options=cfg.data_options, model=cfg.model,
+                        clients_per_task=cfg.clients_per_task, device=str(rt.device), runtime="flower",
+                        flower=asdict(cfg))
+    transport = FlowerTransport(grid, cfg.timeout, m.has_local, _client_dir(cfg), rt.train.lora,
+                                rt.adapted.base_model_name)
+    run_rounds(RunPlan(m, opts, _dataset(cfg), rt, run, rounds, config), transport)
 
 
-def _finish(grid: Grid, cfg: FlowerConfig, run: RunDir, has_local: bool, nodes: dict[str, int], state: StateDict,
-            rt: Runtime) -> None:
-    """Personalize (``train.finalize``) where clients keep a local adapter, then write the PEFT folders."""
-    if has_local:
-        _, failed = exchange(grid, {c: (nid, FitIns(cfg.rounds, state)) for c, nid in nodes.items()}, cfg.timeout,
-                              FINALIZE)
-        for cid, error in failed:
-            logger.warning("client %s did not finalize: %s", cid, error)
-    if state:
-        write_adapter_folder(run.global_adapter, rt.train.lora, state, rt.adapted.base_model_name)
-    mirror = Path(cfg.client_dir or run.root / "flower-clients")
-    for cdir in sorted(mirror.iterdir()) if mirror.is_dir() else []:
-        local = cdir / "local.safetensors"
-        if local.is_file():
-            write_adapter_folder(run.local_adapter(cdir.name), rt.train.lora, load_file(str(local)),
-                                 rt.adapted.base_model_name)
-        for index_file in sorted(cdir.glob("embeddings.*")):  # FedDPA's instance index, beside the adapter
-            run.client_dir(cdir.name).mkdir(parents=True, exist_ok=True)
-            shutil.copy2(index_file, run.client_dir(cdir.name) / index_file.name)
-
-
-def _log(run: RunDir, row: dict[str, Any]) -> None:
-    with run.metrics.open("a") as fh:
-        fh.write(json.dumps(row) + "\n")
+def _client_dir(cfg: FlowerConfig) -> Path:
+    """Where the nodes mirror their private state (default ``<out>/flower-clients``)."""
+    return Path(cfg.client_dir or Path(cfg.out) / "flower-clients")
 
 
 def client_resources(config: FlowerConfig, num_clients: int) -> dict[str, float]:

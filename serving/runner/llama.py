@@ -87,6 +87,18 @@ def _fuse(linears: Sequence[nn.Linear], attr: str) -> torch.Tensor | None:
     return fused
 
 
+def _compute_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` in ``dtype``, made once per weight and shared by every engine on the model
+    (remade when the weight changed in place since)."""
+    cached = getattr(weight, "_fedmosaic_compute_copy", None)
+    if cached is not None and cached[0] == dtype and cached[1] == weight._version:
+        return cached[2]  # type: ignore[no-any-return]
+    with torch.inference_mode(False), torch.no_grad():
+        copy = weight.detach().to(dtype)
+    weight._fedmosaic_compute_copy = (dtype, weight._version, copy)  # type: ignore[attr-defined]
+    return copy
+
+
 class LlamaRunner:
     """Fused decode and prefill for a Llama-family model.
 
@@ -133,11 +145,10 @@ class LlamaRunner:
         self.splits = [int(_base(self.mods[0][t]).out_features) for t in GROUPS["qkv"]]
         self.head_weight = self.lm_head.weight
         if kv.dtype != self.embed.weight.dtype and kv.dtype == torch.bfloat16:  # autocast-bf16: cast once
-            with torch.inference_mode(False), torch.no_grad():
-                for per in self.weights:
-                    for key, w in per.items():
-                        per[key] = w.to(kv.dtype) if w is not None and w.dim() == 2 else w
-                self.head_weight = self.lm_head.weight.to(kv.dtype)
+            for per in self.weights:
+                for key, w in per.items():
+                    per[key] = _compute_copy(w, kv.dtype) if w is not None and w.dim() == 2 else w
+            self.head_weight = _compute_copy(self.lm_head.weight, kv.dtype)
         residual = self.embed.weight.dtype
         with torch.inference_mode(False), torch.no_grad():
             positions = torch.arange(kv.max_len, device=kv.device).unsqueeze(0)

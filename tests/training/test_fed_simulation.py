@@ -15,8 +15,9 @@ from adapters.rundir import RunDir
 from fedmosaic.tiny import tiny_llama
 from routing.embedding import embed_prompts
 from training.data import PromptConfig, generate_suite, prompt_texts, split_tasks
+from training.rounds import select_clients
 from training.runtime import Runtime, preset
-from training.simulation import SimConfig, run_federated, select_clients
+from training.simulation import SimConfig, run_federated
 
 FAMILIES = ["sorting", "capitals"]
 DATA = generate_suite(n_train=5, n_test=1, families=FAMILIES)

@@ -185,7 +185,7 @@ def test_pfedseq_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> N
 def test_nodes_and_server_see_the_simulators_split_and_per_task_sampling() -> None:
     from training.data import split_tasks
     from training.flower import _dataset
-    from training.simulation import select_clients
+    from training.rounds import select_clients
 
     cfg = FlowerConfig.from_run_config({"data": "generated", "data-options": json.dumps(DATA_OPTIONS),
                                         "clients-per-task": 2, "sample-rate": 0.5, "seed": 3})
