@@ -49,8 +49,8 @@ def route_markdown(extension: Mapping[str, Any] | None) -> str:
         lines.append(f"**FedDPA weight a = {_fmt(a)}** (local adapter; the global adapter gets 1 − a)"
                      if a is not None else "**FedDPA weight:** not reported")
         if info.get("source") == "fixed" or ("alpha" in info and "mean_similarity" not in info):
-            lines.append(f"obtained: **fixed** — the run's inference weight α = {_fmt(info.get('alpha'))} "
-                         "for every prompt")
+            alpha = f" α = {_fmt(info['alpha'])}" if "alpha" in info else ""
+            lines.append(f"obtained: **fixed** — the run's inference weight{alpha} for every prompt")
         elif "mean_similarity" not in info:
             lines.append("obtained: **instance-wise** — from this prompt's similarity to the client's local "
                          "instances (the server withholds the details: admin keys see them)")

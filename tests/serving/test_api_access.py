@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,3 +204,43 @@ def test_key_files_are_checked_at_start(tmp_path: Path) -> None:
         KeyRing.build(api_key_file=tmp_path / "missing.txt")
     with pytest.raises(AccessConfigError):
         create_app(ServeSettings(model="tiny", key_bindings=tmp_path / "missing.json"))
+
+
+def test_views_read_the_pool_under_its_lock_while_adapters_come_and_go(client: TestClient) -> None:
+    """/v1/models, /metrics and target resolution iterate the pool's dictionaries while loads change them."""
+    import threading
+
+    state = client.app.state.server  # type: ignore[attr-defined]
+    pool, resolver = state.pool, state.resolver
+    stop, problems = threading.Event(), []
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            pool.load(f"churn{i % 4}", "extra", replace=True)
+            pool.unload(f"churn{(i + 2) % 4}") if f"churn{(i + 2) % 4}" in pool else None
+            i += 1
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                resolver.models(), resolver.clients(), pool.info(), pool.loaded_count(), state.metrics.render()
+                resolver.resolve("sorting")
+        except Exception as exc:  # noqa: BLE001 - the test's finding
+            problems.append(exc)
+
+    threads = [threading.Thread(target=churn), *(threading.Thread(target=read) for _ in range(2))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: an unlocked iteration then meets a resize
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        sys.setswitchinterval(interval)
+    assert problems == []
+    for name in [n for n in pool.names() if n.startswith("churn")]:
+        pool.unload(name)
