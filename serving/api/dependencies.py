@@ -90,19 +90,14 @@ def get_caller(request: Request,
     return principal
 
 
-def require_api_key(caller: Annotated[Principal, Depends(get_caller)]) -> Principal:
-    """Any valid key (user or admin); kept as the routers' dependency name."""
-    return caller
-
-
 def admin_allowed(keys: KeyRing, caller: Principal) -> bool:
     """True when ``caller`` may use admin operations.
 
-    With admin keys configured only they may; without any, every caller who passed the key check may
-    (a single-operator server), subject to each operation's own switch (runtime loading is off then
-    unless enabled explicitly).
+    With admin keys configured only they may; without any, every unbound caller who passed the key check
+    may (a single-operator server), subject to each operation's own switch (runtime loading is off then
+    unless enabled explicitly). A key bound to some targets never may.
     """
-    return caller.admin or not keys.has_admins
+    return caller.admin or (not keys.has_admins and caller.binding is None)
 
 
 def require_admin(request: Request, caller: Annotated[Principal, Depends(get_caller)]) -> Principal:

@@ -244,3 +244,52 @@ def test_views_read_the_pool_under_its_lock_while_adapters_come_and_go(client: T
     assert problems == []
     for name in [n for n in pool.names() if n.startswith("churn")]:
         pool.unload(name)
+
+
+def test_bound_keys_never_act_as_admins(root: Path) -> None:
+    """Without admin keys, admin routes are open to unbound keys only (a single operator), never to tenants."""
+    settings = ServeSettings(model="tiny", run_dir=root / "run", adapter_root=root, api_keys=[USER],
+                             key_bindings=root / "bindings.json", allow_runtime_lora=True)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client)
+        load = {"lora_name": "mine", "lora_path": "extra"}
+        error(client.post("/v1/load_lora_adapter", json=load, headers=auth(SORTING)), 403)
+        error(client.get("/v1/run/files", headers=auth(SORTING)), 403)
+        assert client.post("/v1/load_lora_adapter", json=load, headers=auth(USER)).status_code == 200
+
+
+def test_fedmosaic_serve_honours_keys_from_the_environment(tmp_path: Path) -> None:
+    """Issue 15's first finding, as a user runs it: FEDMOSAIC_SERVE_API_KEYS='["k"]' fedmosaic serve ..."""
+    import os
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "FEDMOSAIC_SERVE_API_KEYS": '["k"]',
+           "FEDMOSAIC_SERVE_ADMIN_KEYS": "root-key", "FEDMOSAIC_SERVE_FEDDPA_ROUTING": "fixed"}
+    proc = subprocess.Popen([sys.executable, "-m", "fedmosaic.cli", "serve", "--model", "tiny", "--port", str(port)],
+                            cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=auth("k"), timeout=5).status_code == 200
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "x"}, headers=auth("k"),
+                          timeout=5).status_code == 403
+        gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "x"}, headers=auth("root-key"),
+                          timeout=5)  # runtime loading is on (an admin key exists); there is no such adapter
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
