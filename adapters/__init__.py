@@ -1,6 +1,6 @@
 """What an adapter is: LoRA config, multi-adapter math and layer, injection, PEFT-format files.
 
-Imports only torch and safetensors (DESIGN.md dependency rule).
+Imports only torch and safetensors: the bottom layer of ARCHITECTURE.md.
 """
 
 from adapters.config import AdapterError, LoraConfig

@@ -1,6 +1,6 @@
 """The one contract: per-row or per-token adapter weights, set once per forward for every layer.
 
-Every adapted Linear computes ``y = W0 x + sum_k w[k] * s_k * B_k A_k x`` (DESIGN.md, "The one
+Every adapted Linear computes ``y = W0 x + sum_k w[k] * s_k * B_k A_k x`` (ARCHITECTURE.md, "The one
 contract"). The trainer or the engine states ``w`` for the whole model in one place, an
 :class:`AdapterContext` shared by all adapted layers (vLLM's per-step mapping object), instead of
 threading arguments through every layer:

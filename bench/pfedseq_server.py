@@ -26,7 +26,7 @@ import time
 import torch
 
 from adapters import LoraConfig
-from fedmosaic.settings import DEVICE_HELP, device_option, resolve_device
+from models.settings import DEVICE_HELP, device_option, resolve_device
 from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
 from training.protocol import FitRes, StateDict
 
@@ -35,7 +35,7 @@ def smollm2_lora_state(lora: LoraConfig) -> StateDict:
     """Zero LoRA tensors of every targeted Linear of SmolLM2 (shapes from its config, meta-device model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fedmosaic.models import resolve_model_path
+    from models import resolve_model_path
 
     config = AutoConfig.from_pretrained(resolve_model_path("smollm2"))
     with torch.device("meta"):

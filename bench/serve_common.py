@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from adapters import LoraConfig, inject, save_adapter
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 
@@ -39,7 +39,7 @@ def prompts(tokenizer: object, n: int, offset: int = 0) -> list[str]:
     return out
 
 
-def _random_adapter(adapted, name: str, config: LoraConfig, seed: int, folder: Path) -> None:  # noqa: ANN001
+def _random_adapter(adapted, name: str, config: LoraConfig, seed: int, folder: Path) -> None:
     adapted.add_adapter(name, config, seed=seed)
     gen = torch.Generator().manual_seed(1000 + seed)
     for _, layer in adapted.adapter_layers(name):

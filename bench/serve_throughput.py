@@ -27,8 +27,8 @@ import torch
 from serve_common import build_run, interleave, median, prompts, timed  # bench/ is the script's folder
 
 from adapters.export import export_mixture
-from fedmosaic.models import load_base_model
-from fedmosaic.settings import DTYPES
+from models import load_base_model
+from models.settings import DTYPES
 from serving.engine import EngineConfig
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
@@ -41,7 +41,7 @@ def run_jobs(stack: ServingStack, jobs: list[Job]) -> float:
     return timed(lambda: list(stack.run(jobs)))
 
 
-def peft_model(model_name: str, dtype: str | None, folders: list[Path]):  # noqa: ANN201
+def peft_model(model_name: str, dtype: str | None, folders: list[Path]):
     """A separate copy of the base model with every client's mixture as a named PEFT adapter."""
     from peft import PeftModel
 
@@ -53,7 +53,7 @@ def peft_model(model_name: str, dtype: str | None, folders: list[Path]):  # noqa
     return loaded, model
 
 
-def peft_sequential(loaded, model, texts: list[str], tokens: int) -> float:  # noqa: ANN001
+def peft_sequential(loaded, model, texts: list[str], tokens: int) -> float:
     def go() -> None:
         for c, text in enumerate(texts):
             model.set_adapter(f"c{c}")

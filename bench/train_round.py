@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fedmosaic.models import LoadedModel, load_base_model
-from fedmosaic.settings import DEVICE_HELP, DTYPES, device_option
+from models import LoadedModel, load_base_model
+from models.settings import DEVICE_HELP, DTYPES, device_option
 from training.aggregate import weighted_average
 from training.algorithms import get_method
 from training.data import Example, collate, generate_suite

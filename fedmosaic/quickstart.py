@@ -28,7 +28,6 @@ import webbrowser
 from pathlib import Path
 from typing import Any
 
-from fedmosaic import settings
 from fedmosaic.quickstart_procs import (
     Child,
     QuickstartError,
@@ -40,6 +39,7 @@ from fedmosaic.quickstart_procs import (
     supervise,
     wait_ready,
 )
+from models import settings
 
 # The paper's short Alpaca template, which training uses (training.data.prompts.ALPACA_SHORT).
 INSTRUCTION = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -212,7 +212,8 @@ def _serve(args: argparse.Namespace, out: Path, began: float) -> int:
     return supervise(children)
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal handler signature
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM handler (the signal handler signature): stop the quick start as Ctrl-C does."""
     raise KeyboardInterrupt
 
 

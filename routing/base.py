@@ -1,4 +1,4 @@
-"""The routing contract: a request goes in, per-adapter weights come out (DESIGN.md, "the one contract").
+"""The routing contract: a request goes in, per-adapter weights come out (ARCHITECTURE.md, "the one contract").
 
 Every router returns a :class:`RoutingDecision`: K adapter names and their weights, ``(K,)`` for the
 whole request or ``(T, K)`` per token, plus an ``info`` dict that explains the decision (FedDPA's

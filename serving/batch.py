@@ -195,7 +195,7 @@ def _answer(line: Line, tokenizer: object, choices: list[Choice], outcomes: list
         assert isinstance(body, CompletionRequest)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": created, "model": body.model}
         return 200, CompletionShape(tokenizer, head, True, body.logprobs).body(answers)
-    except Exception as exc:  # noqa: BLE001 - an engine error or cancellation of this line only
+    except Exception as exc:  # an engine error or cancellation of this line only
         logger.error("line %d (%s) failed: %s", line.n, line.custom_id, exc)
         return error_payload(exc)
 
@@ -253,7 +253,7 @@ def run_batch(executor: Executor, tokenizer: object, input_path: str | Path, out
                 continue
             try:
                 pairs = _jobs(line, tokenizer, config)
-            except Exception as exc:  # noqa: BLE001 - template or limit errors of this line only
+            except Exception as exc:  # template or limit errors of this line only
                 record(line, *error_payload(exc))
                 continue
             jobs += [job for _, job in pairs]

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fedmosaic.settings import DEVICE_HELP, device_option, resolve_device
+from models.settings import DEVICE_HELP, device_option, resolve_device
 from serving.settings import ServeSettings
 
 

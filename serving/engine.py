@@ -4,7 +4,7 @@ Requests wait in a queue and take a KV slot (:mod:`serving.kv`) when one is free
 prefills waiting prompts in chunks — one batched forward over every admitted request's next chunk,
 at most ``max_prefill_tokens`` tokens, so a long prompt never stalls running requests for more than
 a chunk — and runs one decode step over every running request, each row with its own adapter
-weights (DESIGN.md, the one contract), so one batch mixes clients. Forwards run on the fused Llama
+weights (the one contract, ARCHITECTURE.md), so one batch mixes clients. Forwards run on the fused Llama
 runner (CUDA graphs on CUDA) or the model's own HF forward (:mod:`serving.executor`).
 
 Routing hook (FedDPA, paper 000 section 4.3): a request with ``weight_fn`` is prefilled with its
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from adapters import AdaptedModel
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.errors import EngineNotReady, EngineOverloaded
 from serving.executor import Executor, RowOut
 from serving.kv import SlotKV

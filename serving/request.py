@@ -2,7 +2,7 @@
 
 A :class:`GenerationRequest` names its adapters (the engine-internal, versioned names an
 :class:`~serving.adapter_pool.AdapterPool` lease gives out) and their weights ``(K,)``: one row of the
-per-row weight matrix of DESIGN.md's one contract. FedDPA instance weighting (paper 000 section 4.3)
+per-row weight matrix of the one contract (ARCHITECTURE.md). FedDPA instance weighting (paper 000 section 4.3)
 plugs in through ``weight_fn``: the engine hands it the prompt's final-layer last-token state, taken
 during prefill, and decodes with the weights it returns.
 

@@ -3,7 +3,7 @@
 The HTTP app (:mod:`serving.api`), the batch runner (:mod:`serving.batch`), the batch evaluator
 (``fedmosaic eval``) and the benchmarks all build this one stack and ask for *served targets* by name
 (the base model, ``global``, ``<client>`` personalised, ``<client>:local``, any loaded adapter;
-DESIGN.md, Serving). What a name means is decided in one place, :class:`serving.targets.TargetResolver`
+README, Serving). What a name means is decided in one place, :class:`serving.targets.TargetResolver`
 (FedDPA's instance-wise weighting of paper 000 section 4.3 for ``<client>`` when the run has its
 embedding index), and a resolved plan becomes an engine request in one place, :func:`request_for`, so
 a new kind of target (AMoLE routing, paper 002) reaches every caller at once.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from adapters import AdaptedModel, inject
-from fedmosaic.models import LoadedModel, load_base_model
+from models import LoadedModel, load_base_model
 from routing.base import local_name
 from serving.adapter_pool import AdapterPool, Lease, RunInfo
 from serving.engine import Engine, EngineConfig

@@ -2,7 +2,7 @@
 
 vLLM applies exactly one LoRA per request (anchors/serving.md sections 0 and 6), so FedDPA's
 ``(1 - a) B_g A_g + a B_l A_l`` cannot be mixed per request there. It is, exactly, one LoRA of rank
-``r_g + r_l`` (DESIGN.md, "The one contract"; :mod:`adapters.export`), so each client is served at
+``r_g + r_l`` (:mod:`adapters.export`), so each client is served at
 ``levels`` quantised values of ``a`` (11 by default: 0, 0.1, ..., 1): the request's ``a`` (the run's
 fixed weight, or the instance-wise weight of paper 000 section 4.3, computed by a prefill of the
 prompt on the PyTorch model) rounds to the nearest level, and that (client, level) pair is one
@@ -199,7 +199,7 @@ class VLLMBackend:
             raise BackendUnavailable("the vLLM backend needs the vllm package (pip install 'fedmosaic[gpu]')")
         import vllm
 
-        from fedmosaic.models import resolve_model_path
+        from models import resolve_model_path
 
         self.stack, self.chunk, self._vllm = stack, chunk, vllm
         self.levels = LevelExporter(stack, export_dir, levels)
@@ -270,7 +270,7 @@ class VLLMBackend:
                 continue
             try:
                 ready.append((job, *self._prepare(job)))
-            except Exception as exc:  # noqa: BLE001 - reported per job
+            except Exception as exc:  # reported per job
                 yield Outcome(job, None, None, exc)
         if not ready:
             return

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedmosaic.models import LoadedModel
-from fedmosaic.tiny import tiny_llama, tiny_tokenizer
+from models import LoadedModel, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture()

@@ -18,7 +18,7 @@ from torch import nn
 from adapters import AdaptedModel, LoraAdapter, LoraConfig, inject
 from adapters.amole_layer import add_amole_experts, token_proj_state
 from adapters.amole_routing import AMoLERouting
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from routing.embedding import embed_prompts
 from tests.devicecheck import PRETEND, DeviceMismatch, ShadowDevice
 
@@ -53,7 +53,7 @@ def _adapted(shadow: ShadowDevice | None, experts: bool = False) -> AdaptedModel
     return adapted
 
 
-def _on_both(fn, experts: bool = False):  # noqa: ANN001, ANN202
+def _on_both(fn, experts: bool = False):
     """``fn(adapted, shadow)`` on a CPU model, then on the pretend GPU; returns both results."""
     plain = fn(_adapted(None, experts), None)
     with ShadowDevice() as shadow:
@@ -155,7 +155,7 @@ def test_amole_layer_training_and_union_inference_stay_on_the_device() -> None:
 
 
 def test_routing_embeddings_leave_the_device_for_numpy() -> None:
-    def run(adapted: AdaptedModel, shadow: ShadowDevice | None):  # noqa: ANN202
+    def run(adapted: AdaptedModel, shadow: ShadowDevice | None):
         del shadow
         tokenizer = tiny_llama().tokenizer
         prompts = ["### Instruction:\nSort: b a\n\n### Response:\n", "hello there", "x"]

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from fedmosaic import settings
+from models import settings
 
 
 def _value(text: str) -> Any:
@@ -52,7 +52,7 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 def run_train(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic train``."""
-    from fedmosaic.models import load_base_model
+    from models import load_base_model
     from training.data import load_dataset
     from training.runtime import preset
     from training.simulation import SimConfig, run_federated

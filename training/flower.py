@@ -35,7 +35,7 @@ from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
 
 from adapters.rundir import RunDir
-from fedmosaic import settings
+from models import settings
 from training.algorithms import get_method
 from training.flower_messages import identity_content, read_fit_content, reply_content
 from training.flower_transport import FlowerTransport
@@ -113,7 +113,7 @@ class FlowerConfig:
 def _runtime(model: str, preset_name: str, device: str = "") -> Runtime:
     # One base model per node process: Ray actors are reused across rounds in simulation (federated.md 2.3).
     # Clients load every tensor they train from the message, so the cached adapters never leak into a fit.
-    from fedmosaic.models import load_base_model
+    from models import load_base_model
 
     return Runtime(load_base_model(model, device=device or None), preset(preset_name))
 
@@ -207,7 +207,7 @@ def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
 
 
 def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
-    from fedmosaic.models import load_base_model
+    from models import load_base_model
 
     m = get_method(cfg.method)
     if m.centralized:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from adapters import AdaptedModel, LoraConfig, inject
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from training.data import IGNORE, ClientData, Example, PromptConfig, tokenize_record
 from training.protocol import StateDict
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from training.algorithms import get_method
 from training.data import ClientData, FederatedDataset, split_tasks
 from training.personalize import finish_client

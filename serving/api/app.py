@@ -82,7 +82,7 @@ def _exit_soon(reason: str, grace_s: float = 2.0) -> None:
 def _build_logged(state: ServerState, router: WeightRouter | None) -> None:
     try:
         build_state(state, router)
-    except Exception as exc:  # noqa: BLE001 - reported by /health and every endpoint
+    except Exception as exc:  # reported by /health and every endpoint
         logger.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
 

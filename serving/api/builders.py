@@ -67,7 +67,7 @@ def chat_prompt(tokenizer: object, body: ChatCompletionRequest) -> str:
     try:
         return str(tokenizer.apply_chat_template(  # type: ignore[attr-defined]
             messages, tokenize=False, add_generation_prompt=True))
-    except Exception as exc:  # noqa: BLE001 - templates raise on unsupported role orders
+    except Exception as exc:  # templates raise on unsupported role orders
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
 

@@ -173,7 +173,7 @@ def sse(state: ServerState, started: Started, shape: Shape, include_usage: bool)
             if include_usage:
                 tail = {**shape.start(started.choices[0]), "choices": [], "usage": usage(answers)}
                 yield f"data: {json.dumps(tail)}\n\n"
-        except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band as OpenAI does
+        except Exception as exc:  # headers are sent; report in-band as OpenAI does
             yield f"data: {json.dumps(error_payload(exc)[1])}\n\n"
         finally:
             started.cancel()

@@ -1,7 +1,7 @@
 """What one engine step hands a model runner: the rows to prefill or decode, and what comes back.
 
 A row is one sequence (one KV slot) with its adapter weights for this forward: names ``(K,)`` and
-weights ``(K,)``, one row of the per-row weight matrix of DESIGN.md's one contract, or an AMoLE route
+weights ``(K,)``, one row of the per-row weight matrix of the one contract (ARCHITECTURE.md), or an AMoLE route
 (paper 002 section 4.2: per-token routing inside the layers); :func:`adapters.context.weight_matrix`
 turns a batch of rows into the ``(B, K)`` matrix over the union of their adapters.
 """

@@ -10,7 +10,7 @@ from adapters import AdapterError, LoraConfig, inject
 from adapters.amole import amole_forward
 from adapters.amole_layer import SHARED, add_amole_experts, amole_parameters, expert_name, token_proj_state
 from adapters.amole_routing import AMoLEExperts, AMoLERouting, ExpertRecorder
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 
 IDS = torch.tensor([[5, 17, 33, 8], [9, 10, 11, 12], [3, 4, 5, 6]])
 
@@ -92,7 +92,7 @@ def test_routing_errors(amole) -> None:  # noqa: ANN001
 
 def test_save_and_load_round_trip(amole, tiny: LoadedModel, tmp_path) -> None:  # noqa: ANN001
     from adapters.amole_io import load_amole, save_amole
-    from fedmosaic.tiny import tiny_llama
+    from models import tiny_llama
 
     groups = {"c0": assignment(amole, (0, 2)), "c1": assignment(amole, (1, 3, 4))}
     save_amole(amole, tmp_path / "am", num_experts=5, assignments=groups)
@@ -191,7 +191,7 @@ def test_a_damaged_amole_folder_is_refused_by_name_before_the_model_changes(amol
     from safetensors.torch import load_file, save_file
 
     from adapters.amole_io import load_amole, read_amole, save_amole
-    from fedmosaic.tiny import tiny_llama
+    from models import tiny_llama
 
     folder = save_amole(amole, tmp_path / "am", num_experts=5, assignments={"c0": assignment(amole, (0, 2))})
     raw = json.loads((folder / "assignments.json").read_text())

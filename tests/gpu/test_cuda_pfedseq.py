@@ -17,7 +17,7 @@ from training.seqlearn.scan import selective_scan
 pytestmark = pytest.mark.cuda
 
 
-def _kernel():  # noqa: ANN202
+def _kernel():
     fn, why = ssm._kernel()
     if fn is None:
         pytest.skip(f"needs mamba-ssm built for this GPU (../shared/gpu/mamba_ssm.sh): {why}")

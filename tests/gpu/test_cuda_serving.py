@@ -21,8 +21,7 @@ from adapters import AdaptedModel, inject, load_adapter
 from adapters.amole_io import load_amole
 from adapters.amole_routing import AMoLERouting
 from fedmosaic.cli import main
-from fedmosaic.models import load_base_model
-from fedmosaic.tiny import tiny_llama
+from models import load_base_model, tiny_llama
 from serving.generation import GenerationConfig, generate_target
 from serving.sampling import SamplingParams
 from serving.stack import Job, Outcome, StackConfig, build_stack

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from adapters import LoraConfig, inject
 from adapters.amole_layer import add_amole_experts, token_proj_state
 from fedmosaic.cli import main
-from fedmosaic.models import load_base_model
+from models import load_base_model
 from training.algorithms import get_method
 from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
 from training.data import generate_suite

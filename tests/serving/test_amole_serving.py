@@ -16,8 +16,7 @@ from adapters import LoraConfig, inject
 from adapters.amole_io import load_amole, save_amole
 from adapters.amole_layer import add_amole_experts
 from adapters.amole_routing import AMoLERouting, ExpertRecorder
-from fedmosaic.models import LoadedModel
-from fedmosaic.tiny import tiny_llama
+from models import LoadedModel, tiny_llama
 from serving.adapter_pool import AdapterPool
 from serving.api.app import create_app
 from serving.engine import Engine

@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.api import create_app
 from serving.settings import ServeSettings
 from tests.serving.helpers import write_adapter

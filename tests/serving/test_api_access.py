@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.access import AccessConfigError, KeyRing
 from serving.api import create_app
 from serving.cli import add_serve_arguments, settings_from_args
@@ -226,7 +226,7 @@ def test_views_read_the_pool_under_its_lock_while_adapters_come_and_go(client: T
             while not stop.is_set():
                 resolver.models(), resolver.clients(), pool.info(), pool.loaded_count(), state.metrics.render()
                 resolver.resolve("sorting")
-        except Exception as exc:  # noqa: BLE001 - the test's finding
+        except Exception as exc:  # the test's finding
             problems.append(exc)
 
     threads = [threading.Thread(target=churn), *(threading.Thread(target=read) for _ in range(2))]

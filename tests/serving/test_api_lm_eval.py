@@ -23,8 +23,7 @@ import pytest
 import torch
 import uvicorn
 
-from fedmosaic.models import LoadedModel, load_base_model
-from fedmosaic.tiny import save_tiny_llama
+from models import LoadedModel, load_base_model, save_tiny_llama
 from serving.api import create_app
 from serving.settings import ServeSettings
 

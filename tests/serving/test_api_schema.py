@@ -24,7 +24,7 @@ import httpx
 import pytest
 import uvicorn
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.api import create_app
 from serving.settings import ServeSettings
 from tests.serving.helpers import write_adapter

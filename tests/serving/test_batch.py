@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fedmosaic.cli import main
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.api import create_app
 from serving.batch import BatchConfig, parse_line, run_batch
 from serving.engine import EngineConfig

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from adapters import LoraConfig, inject, save_adapter
-from fedmosaic.models import LoadedModel
-from fedmosaic.tiny import tiny_llama
+from models import LoadedModel, tiny_llama
 from serving.generation import GenerationConfig, generate, generate_target
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack

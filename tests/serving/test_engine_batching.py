@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.kv import SlotKV
 from serving.request import GenerationRequest

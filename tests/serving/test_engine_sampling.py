@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest
 from serving.sampling import SamplingParams

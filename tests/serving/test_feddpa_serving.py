@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.api.app import create_app
 from serving.settings import ServeSettings
 from training.data import generate_suite

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from adapters import inject
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from routing import RoutingDecision
 from serving.adapter_pool import AdapterPool
 from serving.cli import add_serve_arguments, settings_from_args

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adapters import LoraConfig, inject, load_adapter, save_adapter
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.adapter_pool import RunInfo
 from serving.stack import ServingStack, StackConfig, build_stack
 from serving.vllm_backend import (

@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from adapters.rundir import RunDir
-from fedmosaic.models import LoadedModel
-from fedmosaic.tiny import tiny_llama
+from models import LoadedModel, tiny_llama
 from routing.cache import EmbeddingIndex
 from tests.devicecheck import PRETEND, ShadowDevice
 from training.algorithms import get_method

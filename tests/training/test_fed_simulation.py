@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from adapters import read_adapter_folder
 from adapters.rundir import RunDir
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from routing.embedding import embed_prompts
 from training.data import PromptConfig, generate_suite, prompt_texts, split_tasks
 from training.rounds import select_clients

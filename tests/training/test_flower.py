@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from adapters import inject
 from adapters.amole_io import load_amole
 from adapters.rundir import RunDir
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from routing.cache import EmbeddingIndex
 from training.algorithms.fedamole import FedAMoLEStrategy, _cfg, subset
 from training.data import generate_suite

@@ -200,7 +200,7 @@ class FedAMoLEClient(ClientAlgorithm):
         for p in projs:
             p.requires_grad_(True)
 
-        def loss_fn(rt_: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+        def loss_fn(rt_: Runtime, batch: dict[str, torch.Tensor], names, weights):
             # one client: every row in group 0 (host-side grouping, see AMoLERouting.row_group)
             rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long, device="cpu")
             routing = AMoLERouting(groups=(assignment,), row_group=rows, top_k=cfg.top_k, shared=cfg.shared_expert)
@@ -233,7 +233,7 @@ class FedAMoLEClient(ClientAlgorithm):
                             pad_id=rt.tokenizer.pad_token_id, device=rt.device)
             mask = batch["attention_mask"].bool()
 
-            def observe(path, g, h, P, A, mask=mask):  # noqa: ANN001, ANN202
+            def observe(path, g, h, P, A, mask=mask):
                 accs.setdefault(path, EmbeddingAccumulator()).add(h, P, A, mask)
 
             routing = AMoLERouting(groups=(assignment,), row_group=torch.zeros(mask.shape[0], dtype=torch.long,
@@ -272,7 +272,7 @@ def _cfg(o: Mapping[str, Any]) -> AMoLEConfig:
     return AMoLEConfig(**opts)
 
 
-def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> None:  # noqa: ANN001
+def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> None:
     """Write the experts, token projections and each client's final assignment (``adapters/amole``)."""
     from adapters.amole_io import save_amole
 

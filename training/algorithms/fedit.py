@@ -63,7 +63,7 @@ class FedAvgClient(ClientAlgorithm):
             return lm_loss
         on_device: dict[str, torch.Tensor] = {}  # the received tensors, copied to the model's device once
 
-        def prox(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+        def prox(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
             loss, extra = lm_loss(rt, batch, names, weights)
             params = rt.params("global")
             if not on_device:

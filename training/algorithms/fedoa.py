@@ -22,10 +22,10 @@ from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Me
 from training.runtime import Runtime
 
 
-def fedoa_loss(lam: float, distance: str):  # noqa: ANN201
+def fedoa_loss(lam: float, distance: str):
     """The FedOA objective as a :data:`training.local_train.LossFn` (local adapter on in the context)."""
 
-    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
         ids, mask = batch["input_ids"], batch["attention_mask"]
         out = rt.model(input_ids=ids, attention_mask=mask, labels=batch["labels"], output_hidden_states=True)
         e_local = last_token(out.hidden_states[-1], mask)  # (B, H)

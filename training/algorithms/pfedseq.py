@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedmosaic import settings
+from models import settings
 from training.aggregate import weighted_average
 from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import train_local

@@ -1,7 +1,7 @@
 """GET /v1/run/files[/{path}]: the served run's evaluation outputs (tables, plots), read-only.
 
 ``fedmosaic eval RUN_DIR`` writes ``eval/table.md``, ``eval/results.json`` and PNG plots (paper 000
-Table 1 layout, ``training.evaluation``). The demo is a client of this API only, so it fetches them
+Table 1 layout, ``fedmosaic.evaluation``). The demo is a client of this API only, so it fetches them
 here instead of reading the run directory. Only files under ``<run_dir>/eval`` with an allowed suffix
 are listed or served; a path that resolves elsewhere (``..``, a symlink out) is refused with 403, and
 the prediction cache is never exposed. Admin keys only (any valid key when no admin key is configured).

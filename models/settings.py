@@ -1,4 +1,4 @@
-"""Process-wide settings read from the environment: cache and data folders, device, dtype, threads.
+"""Process-wide settings read from the environment: cache and data folders, device, dtype.
 
 One place for the paths every command shares, so that tests, CLI and benchmarks agree. Values are
 read when asked for (not at import), so a test can set an environment variable and see it.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -30,19 +29,6 @@ DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 DEVICE_HELP = (f"{DEVICE_FORMS} (default: FEDMOSAIC_DEVICE, else auto = cuda when torch sees a GPU, "
                "else cpu)")
 _DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
-
-
-@dataclass(frozen=True)
-class Paths:
-    """Folders fedmosaic reads and writes.
-
-    Attributes:
-        cache_dir: prepared base models (safetensors + tokenizer), one sub-folder per model.
-        data_dir: benchmark data (FedDPA datasets, Dolly split); may not exist.
-    """
-
-    cache_dir: Path
-    data_dir: Path | None
 
 
 def cache_dir() -> Path:
@@ -150,7 +136,3 @@ def device_option(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
-
-def paths() -> Paths:
-    """Return the current folders as one object."""
-    return Paths(cache_dir=cache_dir(), data_dir=data_dir())

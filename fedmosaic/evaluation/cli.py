@@ -1,13 +1,14 @@
-"""``fedmosaic eval``'s command line: options -> :class:`fedmosaic.evaluate.EvalOptions`, one run or a comparison."""
+"""``fedmosaic eval``'s command line: options -> :class:`.evaluate.EvalOptions`, one run or a comparison."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from fedmosaic import settings
-from fedmosaic.evaluate import WEIGHTING, EvalOptions, compare_runs, evaluate_run
-from training.evaluation.metrics import METRICS
+from fedmosaic.evaluation.backend import WEIGHTING
+from fedmosaic.evaluation.evaluate import EvalOptions, compare_runs, evaluate_run
+from fedmosaic.evaluation.metrics import METRICS
+from models import settings
 
 
 def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

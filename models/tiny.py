@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from fedmosaic import settings
-from fedmosaic.models import LoadedModel, _finish
+from models import settings
+from models.loading import LoadedModel, frozen
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -124,7 +124,7 @@ def tiny_llama(
     if dtype not in settings.DTYPES:
         raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
     model.to(device=settings.resolve_device(device), dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    return _finish(model, tokenizer, "tiny-llama", dtype)
+    return frozen(model, tokenizer, "tiny-llama", dtype)
 
 
 def save_tiny_llama(folder: Path, **kwargs: int) -> Path:
