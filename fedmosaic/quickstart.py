@@ -174,16 +174,21 @@ def _sample(api: str, out: Path, key: str | None) -> None:
 def _serve(args: argparse.Namespace, out: Path, began: float) -> int:
     port = pick_port(args.host, args.port)
     api = f"http://{args.host}:{port}"
-    key = ["--api-key", args.api_key] if args.api_key else []
+    # the key travels in the environment (not in `ps`); it is the operator's, so an admin key: adapter
+    # loading and the run's files in the demo. The demo explains FedDPA weights, so the server shows the
+    # routing details to every caller (the operator's own run, on this machine).
+    server_env = {"FEDMOSAIC_SERVE_ADMIN_KEYS": json.dumps([args.api_key])} if args.api_key else {}
     say(f"4/4 serving {out} at {api}" + ("" if args.no_demo else " and starting the demo"))
     children = [Child.start("API server", fedmosaic_argv("serve", str(out), "--model", args.model, "--host",
-                                                         args.host, "--port", str(port), *key, *_device(args)), api)]
+                                                         args.host, "--port", str(port), "--routing-details", "all",
+                                                         *_device(args)), api, server_env)]
     try:
         wait_ready(children[0], f"{api}/health", args.ready_timeout)
         if not args.no_demo:
             demo = f"http://{args.host}:{pick_port(args.host, args.demo_port)}"
             children.append(Child.start("demo", [sys.executable, "-m", "demos", "--api-url", api, "--host", args.host,
-                                                 "--port", demo.rsplit(":", 1)[1], *key], demo))
+                                                 "--port", demo.rsplit(":", 1)[1]], demo,
+                                        {"FEDMOSAIC_API_KEY": args.api_key} if args.api_key else None))
             wait_ready(children[1], demo, args.ready_timeout)
         _sample(api, out, args.api_key)
     except BaseException as exc:

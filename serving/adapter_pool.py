@@ -15,7 +15,8 @@ Placement only (names, versions, capacity); the math lives in :mod:`adapters`. R
 
 A training run directory (:mod:`adapters.rundir`) registers ``global`` and ``<client>:local`` for each
 client, and records each client's embedding files for FedDPA routing (paper 000 section 4.3) without
-loading them. All state changes happen under the engine's model lock.
+loading them. All state changes happen under the engine's model lock, and every read-only view
+(:mod:`serving.pool_views`) reads under it too.
 
 A FedAMoLE model (an ``adapters/amole`` folder, or a run directory holding one; paper 002) is one
 entry too, of kind ``amole`` (:mod:`serving.amole_router`): it takes one slot, versions and leases
@@ -34,23 +35,17 @@ from pathlib import Path
 
 from adapters import AdaptedModel, AdapterError, load_adapter
 from adapters.rundir import RunDir
-from serving.amole_router import (
-    AMoLEBundle,
-    AMoLEClientRoute,
-    AMoLERegistry,
-    amole_folder,
-    client_names,
-    load_bundle,
-    unload_bundle,
-)
+from serving.amole_router import AMoLEClientRoute, AMoLERegistry, amole_folder, client_names, load_bundle, unload_bundle
 from serving.errors import (
     AdapterExists,
     AdapterLoadFailed,
     AdapterNotFound,
+    AdapterPinned,
     InvalidRequest,
     NoFreeSlot,
     PathNotAllowed,
 )
+from serving.pool_views import PoolViews
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
 
@@ -127,7 +122,7 @@ class Lease:
             self.pool._release(self.keys)
 
 
-class AdapterPool:
+class AdapterPool(PoolViews):
     """Named, versioned, capacity-limited adapters in one :class:`~adapters.AdaptedModel`.
 
     Args:
@@ -228,15 +223,24 @@ class AdapterPool:
             if self._amole_clients.get(client) == entry.name:
                 del self._amole_clients[client]
 
-    def unload(self, name: str) -> None:
-        """Forget ``name``; its version leaves the model once no request holds it."""
+    def unload(self, name: str, force: bool = False) -> None:
+        """Forget ``name``; its version leaves the model once no request holds it.
+
+        Raises:
+            AdapterNotFound: ``name`` is not registered (or is an AMoLE client, not a model).
+            AdapterPinned: ``name`` is pinned and ``force`` is False.
+        """
         with self.lock:
             if name in self._amole_clients:
                 raise AdapterNotFound(f"{name!r} is a client of the AMoLE model {self._amole_clients[name]!r}; "
                                       "unload that model")
-            entry = self._entries.pop(name, None)
+            entry = self._entries.get(name)
             if entry is None:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded")
+            if entry.pinned and not force:
+                raise AdapterPinned(f"adapter {name!r} is pinned (targets built on it stop working without it); "
+                                    "unload it with force")
+            del self._entries[name]
             self._retire(entry)
             self._forget_clients(entry)
 
@@ -297,7 +301,7 @@ class AdapterPool:
             missing = [n for n in wanted if n not in self._amole_clients
                        and (n not in self._entries or self._entries[n].kind != "lora")]
             if missing:
-                raise AdapterNotFound(f"adapters {missing} are not loaded; loaded: {sorted(self._entries)}")
+                raise AdapterNotFound(f"adapters {missing} are not loaded")
             routed = [n for n in wanted if n in self._amole_clients]
             if routed and len(wanted) > 1:
                 raise InvalidRequest(f"the AMoLE client {routed[0]!r} routes every token itself; request it alone",
@@ -329,45 +333,6 @@ class AdapterPool:
                     if key in self._retired:
                         self._retired.discard(key)
                         self._drop(key)
-
-    # --- views ---------------------------------------------------------------------------------
-
-    def __contains__(self, name: object) -> bool:
-        """True for a registered LoRA adapter name (AMoLE models and clients: :meth:`amole_model_of`)."""
-        entry = self._entries.get(name) if isinstance(name, str) else None
-        return entry is not None and entry.kind == "lora"
-
-    def names(self) -> list[str]:
-        """Registered LoRA adapter names, in registration order."""
-        return [n for n, e in self._entries.items() if e.kind == "lora"]
-
-    def amole_models(self) -> list[str]:
-        """Registered AMoLE model names, in registration order."""
-        return [n for n, e in self._entries.items() if e.kind == "amole"]
-
-    def amole_clients(self) -> list[str]:
-        """Every AMoLE client served, by model then assignment order."""
-        return [c for e in self._entries.values() if e.kind == "amole" for c in e.clients]
-
-    def amole_model_of(self, client: str) -> str | None:
-        """The AMoLE model serving ``client``, or None."""
-        return self._amole_clients.get(client)
-
-    def amole_bundle(self, name: str) -> AMoLEBundle | None:
-        """The loaded version of AMoLE model ``name`` (None while evicted or unknown)."""
-        entry = self._entries.get(name)
-        return self.amole.get(entry.internal) if entry is not None and entry.internal else None
-
-    def info(self, name: str | None = None) -> list[AdapterInfo]:
-        """Snapshots of one registered adapter or of all."""
-        with self.lock:
-            entries = [self._entries[name]] if name is not None and name in self._entries else (
-                [] if name is not None else list(self._entries.values()))
-            return [self._info(e) for e in entries]
-
-    def loaded_count(self) -> int:
-        """Adapters currently in the model (current versions only)."""
-        return sum(e.internal is not None for e in self._entries.values())
 
     # --- internals -----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from adapters import AdaptedModel, inject
 from models import LoadedModel, load_base_model
+from routing.base import local_name
 from serving.adapter_pool import AdapterPool, Lease, RunInfo
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
@@ -267,7 +268,8 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
         from serving.feddpa_router import InstanceWeightRouter
 
         router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, S=config.feddpa_samples,
-                                              mode=config.feddpa_mode)
+                                              mode=config.feddpa_mode,
+                                              version_of=lambda client: pool.version(local_name(client)))
         routing = "instance"
     if run is not None and config.feddpa_routing == "instance" and routing == "fixed" and run.global_name:
         logger.info("run %s has no embedding index: <client> targets use the fixed weight %.3f", run.root, alpha)

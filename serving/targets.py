@@ -111,7 +111,7 @@ class TargetResolver:
         """
         known = self.models()
         if model not in known:
-            raise ModelNotFound(f"the model {model!r} does not exist; available: {known}")
+            raise ModelNotFound(f"the model {model!r} does not exist (GET /v1/models lists what this key may use)")
         if mixture:
             names = tuple(n for n, _ in mixture)
             if len(set(names)) != len(names):

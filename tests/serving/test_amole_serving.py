@@ -238,7 +238,7 @@ def test_hot_reload_keeps_in_flight_requests_on_their_version(served, root: Path
     v2 = engine.generate([request(served, "c0", 8)])[0]
     want, _ = direct_greedy(root / "v2", "c0", PROMPTS["c0"], 8)
     assert list(v2.token_ids) == want and v2.route_info["version"] == 2 and v2.token_ids != v1.token_ids
-    pool.unload("amole")
+    pool.unload("amole", force=True)
     assert resolver.models() == ["tiny", "plain"] and not [n for n in engine.adapted.configs if "/" in n]
 
 
@@ -264,7 +264,7 @@ def wait_ready(client: TestClient) -> None:
 
 
 def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:
-    settings = ServeSettings(model="tiny", run_dir=trained_run)
+    settings = ServeSettings(model="tiny", run_dir=trained_run, allow_runtime_lora=True)
     with TestClient(create_app(settings)) as client:
         wait_ready(client)
         cards = client.get("/v1/models").json()["data"]
@@ -283,8 +283,11 @@ def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:
         events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
         assert events[-1]["fedmosaic"]["info"]["expert_usage"]["counts"] == usage["counts"]
         assert client.post("/v1/chat/completions", json={**chat, "model": "global"}).status_code == 404
-        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole"}).status_code == 200
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole"}).status_code == 409  # pinned
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole", "force": True}).status_code == 200
         assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["tiny"]
+        taken = client.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(trained_run)})
+        assert taken.status_code == 400 and taken.json()["error"]["code"] == "name_reserved"  # the run's clients
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "amole", "lora_path": str(trained_run)})
         assert loaded.status_code == 200 and "version 2" in loaded.text
         again = client.post("/v1/chat/completions", json=chat).json()
