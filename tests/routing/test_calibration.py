@@ -21,7 +21,7 @@ def states(rng: np.random.Generator, topic: np.ndarray | None, n: int) -> np.nda
     common[0] = 12.0
     x = common + rng.normal(scale=1.0, size=(n, H)).astype(np.float32)
     if topic is not None:
-        x += 2.5 * topic
+        x += 4.0 * topic
     return x
 
 
