@@ -28,6 +28,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def serve(run_dir: Path, routing: str, **settings: object) -> TestClient:
+    settings.setdefault("feddpa_weighting", None if routing == "fixed" else "paper")
     return TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, feddpa_routing=routing,
                                                **settings)))  # type: ignore[arg-type]
 
