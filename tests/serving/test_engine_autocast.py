@@ -1,0 +1,52 @@
+"""The engine under the default dtype policy, ``autocast-bf16`` (fp32 weights, bf16 compute and KV cache).
+
+The other engine tests run the tiny model in float32, where every tensor already has the cache's dtype;
+SmolLM2 is served with ``autocast-bf16`` by default (``FEDMOSAIC_DTYPE``), so the same paths run here on
+the tiny model with that policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fedmosaic.models import LoadedModel
+from serving.engine import Engine, EngineConfig
+from serving.request import GenerationRequest
+from serving.sampling import SamplingParams
+from tests.serving.helpers import adapted_with
+
+# Found by bench/serve_throughput.py on SmolLM2 after the kernels merge (5131a58): every request fails
+# with 500 under the default dtype. Two faults of serving/kernels/reference.py under the runner's autocast:
+# 1. rotary_kv_write: q/k/v come out of the projections in bf16 but the runner's cos/sin are fp32 (the
+#    residual stream's dtype), so the rotated keys are fp32 and the index_put into the bf16 cache raises
+#    "Index put requires the source and destination dtypes match". Fix:
+#        k_cache[slots, :, positions] = k_rot.to(k_cache.dtype)
+#        v_cache[slots, :, positions] = v.to(v_cache.dtype)
+# 2. decode_attention / prefill_attention: autocast runs the float32 einsums in bf16, so masked_fill_
+#    with finfo(float32).min raises "value cannot be converted to type c10::BFloat16 without overflow"
+#    (and the scores lose the float32 the reference promises). Fix: wrap the einsum/mask/softmax/einsum
+#    block of both in ``with torch.autocast(q.device.type, enabled=False):``.
+# With both (the exact diff is in the branch's report) these tests pass; drop the xfail then.
+AUTOCAST_BUG = pytest.mark.xfail(strict=True, reason="engine bug: reference kernels under autocast-bf16 (above)")
+
+
+@pytest.fixture()
+def autocast_tiny(tiny: LoadedModel) -> LoadedModel:
+    """The tiny model under the default serving policy: fp32 weights, bf16 autocast, bf16 KV cache."""
+    return dataclasses.replace(tiny, dtype="autocast-bf16")
+
+
+@AUTOCAST_BUG
+@pytest.mark.parametrize("names", [(), ("g", "l1")])
+def test_autocast_requests_complete(autocast_tiny: LoadedModel, names: tuple[str, ...]) -> None:
+    """Base and adapter requests finish normally (not 500) when the engine computes in bf16."""
+    engine = Engine(autocast_tiny, adapted_with(autocast_tiny), EngineConfig(max_batch_size=4))
+    assert engine.kv.k[0].dtype.is_floating_point and str(engine.kv.k[0].dtype) == "torch.bfloat16"
+    weights = tuple(1.0 / len(names) for _ in names)
+    requests = [GenerationRequest(prompt=p, sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                  adapter_names=names, adapter_weights=weights)
+                for p in ("The capital of France is", "Sort these words")]
+    results = engine.generate(requests)
+    assert [(r.finish_reason, r.error, r.completion_tokens) for r in results] == [("length", None, 6)] * 2
