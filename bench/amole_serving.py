@@ -26,10 +26,9 @@ import torch
 from adapters import LoraConfig, inject
 from adapters.amole_io import save_amole
 from adapters.amole_layer import add_amole_experts
-from adapters.context import ExpertRecorder
-from fedmosaic.models import load_base_model
-from fedmosaic.settings import DTYPES
-from fedmosaic.tiny import tiny_llama
+from adapters.amole_routing import ExpertRecorder
+from models import load_base_model, tiny_llama
+from models.settings import DTYPES
 from serving.adapter_pool import AdapterPool
 from serving.amole_router import batch_routing
 
@@ -67,15 +66,14 @@ def main() -> None:
     lora = [f"l{i}" for i in range(batch)]
     for i, name in enumerate(lora):
         adapted.add_adapter(name, config, seed=100 + i)
-    registry = pool.amole
-    one = [registry.route(pool.acquire([f"c{i}"]).names[0]) for i in range(batch)]
+    one = [pool.acquire([f"c{i}"]).route for i in range(batch)]
     paths = tuple(adapted.layers)
 
-    def lora_ctx():  # noqa: ANN202
+    def lora_ctx():
         return adapted.context.use(lora, torch.eye(batch))
 
-    def amole_ctx(routes, recorder=None):  # noqa: ANN001, ANN202
-        return adapted.context.route_amole(batch_routing(routes, recorder))
+    def amole_ctx(routes, recorder=None):
+        return adapted.context.route_tokens(batch_routing(routes, recorder))
 
     cases: dict[str, Callable[[], object]] = {
         "base": adapted.context.base,

@@ -16,12 +16,11 @@ import time
 import torch
 
 from adapters import LoraConfig, inject
-from fedmosaic.models import compute_context, load_base_model
-from fedmosaic.settings import DTYPES
-from fedmosaic.tiny import tiny_llama
+from models import compute_context, load_base_model, tiny_llama
+from models.settings import DTYPES
 
 
-def median_time(fn, repeats: int) -> float:  # noqa: ANN001
+def median_time(fn, repeats: int) -> float:
     fn()
     samples = []
     for _ in range(repeats):
@@ -49,12 +48,12 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(3, int(loaded.model.config.vocab_size), (8, 128), generator=gen)
 
-        def train_step(am=adapted, m=loaded.model, d=dtype, ids=ids) -> None:  # noqa: ANN001
+        def train_step(am=adapted, m=loaded.model, d=dtype, ids=ids) -> None:
             with compute_context(d), am.context.single("a", ids.shape[0]):
                 loss = m(ids, labels=ids).loss
             loss.backward()
 
-        def decode(am=adapted, m=loaded.model, d=dtype, ids=ids) -> None:  # noqa: ANN001
+        def decode(am=adapted, m=loaded.model, d=dtype, ids=ids) -> None:
             with torch.inference_mode(), compute_context(d), am.context.single("a", 8, trainable=False):
                 m.generate(ids[:, :16], max_new_tokens=32, min_new_tokens=32, do_sample=False,
                            pad_token_id=0)

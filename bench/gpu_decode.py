@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adapters import AdaptedModel, LoraConfig, inject  # noqa: E402
-from fedmosaic.models import LoadedModel  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
-from serving.request import GenerationRequest  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from adapters import AdaptedModel, LoraConfig, inject
+from models import LoadedModel
+from serving.engine import Engine, EngineConfig
+from serving.request import GenerationRequest
+from serving.sampling import SamplingParams
 
 GEOMETRIES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

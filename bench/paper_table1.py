@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedmosaic.evaluate import EvalOptions, compare_runs, evaluate_run
-from fedmosaic.models import load_base_model
+from fedmosaic.evaluation.evaluate import EvalOptions, compare_runs, evaluate_run
+from models import load_base_model
 from training.data import load_dataset
 from training.runtime import preset
 from training.simulation import SimConfig, run_federated

@@ -9,7 +9,10 @@ is pre-filled with L steps of synthetic updates (scale 1e-3, like LoRA updates) 
 timed round is a full steady-state round. Learners are timed interleaved (ssm, lstm, mlp, ssm, ...).
 Threads default to 1: on this shared 2-core machine a second OpenMP thread spins against the other
 processes and made the learners' small elementwise ops up to 50x slower. Prints one JSON object.
-Usage: python bench/pfedseq_server.py [--repeats 5] [--threads 1] [--chunk 2048] [--learners ssm,lstm,mlp]
+The learners run on ``--device`` (default: the ``FEDMOSAIC_DEVICE`` setting, auto = CUDA when present;
+timings wait for the GPU) with ``--scan auto`` (mamba-ssm's kernel on CUDA when it imports) or ``torch``.
+Usage: python bench/pfedseq_server.py [--device D] [--scan auto|torch|kernel] [--repeats 5] [--threads 1]
+[--chunk 2048] [--learners ssm,lstm,mlp]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 import torch
 
 from adapters import LoraConfig
+from models.settings import DEVICE_HELP, device_option, resolve_device
 from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
 from training.protocol import FitRes, StateDict
 
@@ -31,7 +35,7 @@ def smollm2_lora_state(lora: LoraConfig) -> StateDict:
     """Zero LoRA tensors of every targeted Linear of SmolLM2 (shapes from its config, meta-device model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fedmosaic.models import resolve_model_path
+    from models import resolve_model_path
 
     config = AutoConfig.from_pretrained(resolve_model_path("smollm2"))
     with torch.device("meta"):
@@ -50,14 +54,20 @@ def _updates(state: StateDict, clients: list[str], seed: int) -> list[FitRes]:
             for c in clients]
 
 
-def _strategy(kind: str, state: StateDict, clients: list[str], window: int, chunk: int) -> PFedSeqStrategy:
-    strategy = PFedSeqStrategy(PFedSeqConfig(warmup=0, window=window, learner=kind, chunk=chunk,
-                                             server_device="cpu", clients=tuple(clients)), seed=0)
+def _strategy(kind: str, state: StateDict, clients: list[str], window: int, chunk: int, device: torch.device,
+              scan: str) -> PFedSeqStrategy:
+    strategy = PFedSeqStrategy(PFedSeqConfig(warmup=0, window=window, learner=kind, chunk=chunk, scan=scan,
+                                             server_device=str(device), clients=tuple(clients)), seed=0)
     strategy.aggregate(0, _updates(state, clients, 0), [], state)  # builds the layout and the learners
     gen = torch.Generator().manual_seed(1)
     n, d = len(clients), strategy.layout.size  # type: ignore[union-attr]
-    strategy.history.steps = [torch.randn(n, d, generator=gen) * 1e-3 for _ in range(window)]
+    strategy.history.steps = [(torch.randn(n, d, generator=gen) * 1e-3).to(device) for _ in range(window)]
     return strategy
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # a wall-clock time must cover the GPU's queued work
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -69,12 +79,15 @@ def main() -> None:
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--chunk", type=int, default=PFedSeqConfig.chunk)
     p.add_argument("--learners", default="ssm,lstm,mlp")
+    p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
+    p.add_argument("--scan", choices=["auto", "torch", "kernel"], default="auto", help="the SSM's selective scan")
     args = p.parse_args()
+    device = resolve_device(args.device)
     torch.set_num_threads(args.threads)
     kinds = [k.strip() for k in args.learners.split(",") if k.strip()]
     clients = [f"client{i}" for i in range(args.clients)]
     state = smollm2_lora_state(LoraConfig())
-    strategies = {k: _strategy(k, state, clients, args.window, args.chunk) for k in kinds}
+    strategies = {k: _strategy(k, state, clients, args.window, args.chunk, device, args.scan) for k in kinds}
     layout = strategies[kinds[0]].layout
     assert layout is not None
     samples: dict[str, list[float]] = {k: [] for k in kinds}
@@ -83,9 +96,11 @@ def main() -> None:
         uploads = _updates(state, clients, 100 + rep)
         for kind in kinds:
             strategy = strategies[kind]
+            _sync(device)
             began = time.perf_counter()
             strategy.configure_round(rep + 1, clients, globals_[kind])
             new = strategy.aggregate(rep + 1, uploads, [], globals_[kind])
+            _sync(device)
             seconds = time.perf_counter() - began
             globals_[kind] = new if new is not None else globals_[kind]
             if rep > 0:
@@ -100,7 +115,9 @@ def main() -> None:
                     "target_modules": list(LoraConfig().target_modules), "parameters": layout.size,
                     "learner_groups": len(layout.groups), "parameters_per_group": layout.groups[0][2]},
         "clients": args.clients, "window": args.window, "chunk": args.chunk, "repeats": args.repeats,
-        "threads": args.threads, "device": "cpu", "machine": platform.processor() or platform.machine(),
+        "threads": args.threads, "device": str(device), "scan": args.scan,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__, "learners": per_kind,
     }
     if "ssm" in samples:

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from adapters import AdaptedModel, LoraConfig, inject, save_adapter
-from fedmosaic.models import LoadedModel
-from fedmosaic.settings import DTYPES
+from models import LoadedModel
+from models.settings import DTYPES
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 

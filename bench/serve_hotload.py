@@ -21,8 +21,8 @@ import torch
 from serve_common import build_run, interleave, median, prompts, timed  # bench/ is the script's folder
 
 from adapters.export import export_mixture
-from fedmosaic.models import load_base_model
-from fedmosaic.settings import DTYPES
+from models import load_base_model
+from models.settings import DTYPES
 from serving.engine import EngineConfig
 from serving.sampling import SamplingParams
 from serving.stack import Job, StackConfig, build_stack

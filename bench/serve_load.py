@@ -46,7 +46,7 @@ import httpx
 from serve_common import build_run, median, parser, percentile, print_json, questions, random_adapter, ratio
 
 from adapters import LoraConfig, inject
-from fedmosaic.models import load_base_model
+from models import load_base_model
 
 REPO = Path(__file__).resolve().parents[1]
 HOT = "c0:local"

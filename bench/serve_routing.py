@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from serve_common import build_run, interleave, median, prompts, timed  # bench/ is the script's folder
 
-from fedmosaic.models import load_base_model
-from fedmosaic.settings import DTYPES
+from models import load_base_model
+from models.settings import DTYPES
 from serving.engine import EngineConfig
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack

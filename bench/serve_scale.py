@@ -38,7 +38,7 @@ from serve_common import (
     write_scale_run,
 )
 
-from fedmosaic.models import load_base_model
+from models import load_base_model
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 

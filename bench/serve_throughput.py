@@ -31,7 +31,7 @@ import torch
 from serve_common import apply_threads, build_run, interleave, median, parser, prompts, ratio, run_all, timed
 
 from adapters.export import export_mixture
-from fedmosaic.models import LoadedModel, load_base_model
+from models import LoadedModel, load_base_model
 from serving.engine import EngineConfig
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack

@@ -12,9 +12,11 @@ Three timings over the same clients, examples, batch order, steps and compute dt
 
 Prints one JSON object with the times and the ``fedit_over_plain`` and ``feddpa_t_over_fedit`` ratios,
 each the minimum over ``--repeats`` interleaved runs (the least disturbed by other work on a shared
-CPU), and the 1-minute load average to judge that. Usage: ``python bench/train_round.py
-[--model smollm2|tiny|FOLDER] [--clients 3] [--steps 3] [--batch 4] [--micro-batch 4] [--cutoff 128]
-[--repeats 1] [--threads N]``.
+CPU), and the 1-minute load average to judge that. Both loops run on ``--device`` (default: the
+``FEDMOSAIC_DEVICE`` setting, auto = CUDA when present) in the device's default dtype (``--dtype``
+overrides; bf16 on CUDA), and every timing waits for the device. Usage: ``python bench/train_round.py
+[--model smollm2|tiny|FOLDER] [--device auto|cpu|cuda|cuda:N] [--dtype D] [--clients 3] [--steps 3]
+[--batch 4] [--micro-batch 4] [--cutoff 128] [--repeats 1] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fedmosaic.models import LoadedModel, load_base_model
+from models import LoadedModel, load_base_model
+from models.settings import DEVICE_HELP, DTYPES, device_option
 from training.aggregate import weighted_average
 from training.algorithms import get_method
 from training.data import Example, collate, generate_suite
@@ -37,8 +40,14 @@ from training.protocol import ClientContext, derive_seed
 from training.runtime import Runtime, TrainConfig, preset
 
 
-def _load(model: str) -> LoadedModel:
-    return load_base_model(model)
+def _load(model: str, device: str | None, dtype: str | None) -> LoadedModel:
+    return load_base_model(model, dtype=dtype, device=device)  # type: ignore[arg-type]
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock time covers it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def protocol_round(method: str, runtime: Runtime, clients: Sequence, round_idx: int, seed: int) -> float:
@@ -48,11 +57,13 @@ def protocol_round(method: str, runtime: Runtime, clients: Sequence, round_idx: 
     strategy, client = m.strategy(opts), m.client(opts)
     state = strategy.initial_state(runtime)
     private: dict[str, dict] = {}
+    _sync(runtime.device)
     start = time.perf_counter()
     ins = strategy.configure_round(round_idx, [c.client_id for c in clients], state)
     results = [client.fit(ins[c.client_id], ClientContext(c.client_id, c, runtime, private.setdefault(c.client_id, {}),
                                                           seed)) for c in clients]
     strategy.aggregate(round_idx, results, [], state)
+    _sync(runtime.device)
     return time.perf_counter() - start
 
 
@@ -71,7 +82,8 @@ def plain_peft_round(model: torch.nn.Module, loaded: LoadedModel, examples: dict
     """Seconds for the same FedIT round written directly against PEFT and PyTorch."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    pad = loaded.tokenizer.pad_token_id  # type: ignore[attr-defined]
+    pad, device = loaded.tokenizer.pad_token_id, loaded.device  # type: ignore[attr-defined]
+    _sync(device)
     start = time.perf_counter()
     received = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
     uploads = []
@@ -91,7 +103,7 @@ def plain_peft_round(model: torch.nn.Module, loaded: LoadedModel, examples: dict
             idx, order = order[: train.batch_size], order[train.batch_size:]
             opt.zero_grad(set_to_none=True)
             for s in range(0, len(idx), train.micro_batch_size):
-                batch = collate([exs[i] for i in idx[s:s + train.micro_batch_size]], pad_id=pad)
+                batch = collate([exs[i] for i in idx[s:s + train.micro_batch_size]], pad_id=pad, device=device)
                 with loaded.autocast():
                     loss = model(**batch).loss
                 (loss * (len(batch["input_ids"]) / len(idx))).backward()
@@ -100,12 +112,15 @@ def plain_peft_round(model: torch.nn.Module, loaded: LoadedModel, examples: dict
         model.eval()
         uploads.append({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()})
     weighted_average(uploads, [1.0] * len(uploads))
+    _sync(device)
     return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a model folder")
+    parser.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: the device's (bf16 on CUDA)")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per client per phase")
     parser.add_argument("--batch", type=int, default=4)
@@ -123,11 +138,12 @@ def main() -> None:
                    cutoff_len=args.cutoff, lr=3e-4)
     data = generate_suite(seed=args.seed, n_train=max(args.batch * 2, 8), n_test=1)
     clients = list(data.clients[: args.clients])
-    ours = Runtime(_load(args.model), train)
+    ours = Runtime(_load(args.model, args.device, args.dtype), train)
     examples = {c.client_id: ours.examples(c) for c in clients}
     # Warm-up: first forward/backward pays one-off allocation and kernel selection costs.
     protocol_round("fedit", ours, clients[:1], 0, args.seed)
-    plain_loaded = _load(args.model)  # a second copy: our injection wraps the first model's Linears
+    # a second copy: our injection wraps the first model's Linears
+    plain_loaded = _load(args.model, args.device, args.dtype)
     plain_model = peft_model(plain_loaded, train)
     plain_peft_round(plain_model, plain_loaded, dict(list(examples.items())[:1]), train, args.seed)
     runs: dict[str, Callable[[], float]] = {
@@ -144,6 +160,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "train_round",
         "model": args.model,
+        "device": str(ours.device),
+        "gpu": torch.cuda.get_device_name(ours.device) if ours.device.type == "cuda" else None,
         "dtype": ours.loaded.dtype,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),

@@ -49,8 +49,11 @@ def route_markdown(extension: Mapping[str, Any] | None) -> str:
         lines.append(f"**FedDPA weight a = {_fmt(a)}** (local adapter; the global adapter gets 1 − a)"
                      if a is not None else "**FedDPA weight:** not reported")
         if info.get("source") == "fixed" or ("alpha" in info and "mean_similarity" not in info):
-            lines.append(f"obtained: **fixed** — the run's inference weight α = {_fmt(info.get('alpha'))} "
-                         "for every prompt")
+            alpha = f" α = {_fmt(info['alpha'])}" if "alpha" in info else ""
+            lines.append(f"obtained: **fixed** — the run's inference weight{alpha} for every prompt")
+        elif "mean_similarity" not in info:
+            lines.append("obtained: **instance-wise** — from this prompt's similarity to the client's local "
+                         "instances (the server withholds the details: admin keys see them)")
         else:
             sim, lam, s = info.get("mean_similarity"), info.get("lambda"), info.get("S")
             sampling = info.get("mode", "?")
@@ -92,6 +95,8 @@ def route_summary(extension: Mapping[str, Any] | None) -> str:
         if "mean_similarity" in info:
             return (f"{head} · instance-wise (S = {info.get('S')}, mean similarity {_fmt(info['mean_similarity'])}, "
                     f"λ = {_fmt(info.get('lambda'))})")
+        if info.get("source") == "instance":
+            return f"{head} · instance-wise"
         return f"{head} · fixed (the run's α)"
     if mode == "amole":
         usage = info.get("expert_usage") if isinstance(info.get("expert_usage"), Mapping) else {}

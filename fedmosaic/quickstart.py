@@ -39,6 +39,7 @@ from fedmosaic.quickstart_procs import (
     supervise,
     wait_ready,
 )
+from models import settings
 
 # The paper's short Alpaca template, which training uses (training.data.prompts.ALPACA_SHORT).
 INSTRUCTION = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -73,6 +74,8 @@ def add_quickstart_arguments(sub: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--open", action="store_true", help="open the demo in a web browser")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the API and demo")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", type=settings.device_option, default=None,
+                   help=f"for training, evaluation and serving: {settings.DEVICE_HELP}")
     return p
 
 
@@ -106,10 +109,15 @@ def _train(args: argparse.Namespace, out: Path) -> None:
             f"and adapter -> {out}")
     argv = ["train", "--method", args.method, "--data", args.data, "--model", args.model, "--out", str(out),
             "--rounds", str(args.rounds), "--preset", args.preset, "--max-steps", str(args.max_steps),
-            "--lr", str(args.lr), "--seed", str(args.seed)]
+            "--lr", str(args.lr), "--seed", str(args.seed), *_device(args)]
     if args.data == "generated":
         argv += ["--n-train", str(args.n_train)] + (["--n-test", str(args.n_test)] if args.n_test else [])
     run_step("training", fedmosaic_argv(*argv, *(["--resume"] if resume else [])))
+
+
+def _device(args: argparse.Namespace) -> list[str]:
+    """``--device`` for the child commands when given (otherwise they read FEDMOSAIC_DEVICE, as this one)."""
+    return ["--device", args.device] if args.device else []
 
 
 def _evaluate(args: argparse.Namespace, out: Path) -> None:
@@ -120,7 +128,7 @@ def _evaluate(args: argparse.Namespace, out: Path) -> None:
     else:
         say(f"3/4 evaluation: {args.eval_limit} test examples per task, every client, global and base")
         run_step("evaluation", fedmosaic_argv("eval", str(out), "--limit", str(args.eval_limit),
-                                              "--max-new-tokens", str(args.eval_max_new_tokens)))
+                                              "--max-new-tokens", str(args.eval_max_new_tokens), *_device(args)))
 
 
 def sample_prompt(out: Path) -> tuple[str, str, str] | None:
@@ -166,16 +174,21 @@ def _sample(api: str, out: Path, key: str | None) -> None:
 def _serve(args: argparse.Namespace, out: Path, began: float) -> int:
     port = pick_port(args.host, args.port)
     api = f"http://{args.host}:{port}"
-    key = ["--api-key", args.api_key] if args.api_key else []
+    # the key travels in the environment (not in `ps`); it is the operator's, so an admin key: adapter
+    # loading and the run's files in the demo. The demo explains FedDPA weights, so the server shows the
+    # routing details to every caller (the operator's own run, on this machine).
+    server_env = {"FEDMOSAIC_SERVE_ADMIN_KEYS": json.dumps([args.api_key])} if args.api_key else {}
     say(f"4/4 serving {out} at {api}" + ("" if args.no_demo else " and starting the demo"))
     children = [Child.start("API server", fedmosaic_argv("serve", str(out), "--model", args.model, "--host",
-                                                         args.host, "--port", str(port), *key), api)]
+                                                         args.host, "--port", str(port), "--routing-details", "all",
+                                                         *_device(args)), api, server_env)]
     try:
         wait_ready(children[0], f"{api}/health", args.ready_timeout)
         if not args.no_demo:
             demo = f"http://{args.host}:{pick_port(args.host, args.demo_port)}"
             children.append(Child.start("demo", [sys.executable, "-m", "demos", "--api-url", api, "--host", args.host,
-                                                 "--port", demo.rsplit(":", 1)[1], *key], demo))
+                                                 "--port", demo.rsplit(":", 1)[1]], demo,
+                                        {"FEDMOSAIC_API_KEY": args.api_key} if args.api_key else None))
             wait_ready(children[1], demo, args.ready_timeout)
         _sample(api, out, args.api_key)
     except BaseException as exc:
@@ -199,7 +212,8 @@ def _serve(args: argparse.Namespace, out: Path, began: float) -> int:
     return supervise(children)
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal handler signature
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM handler (the signal handler signature): stop the quick start as Ctrl-C does."""
     raise KeyboardInterrupt
 
 

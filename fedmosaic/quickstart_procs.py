@@ -86,9 +86,10 @@ class Child:
     url: str
 
     @classmethod
-    def start(cls, name: str, argv: Sequence[str], url: str) -> Child:
-        """Start ``argv`` with the terminal's output."""
-        return cls(name, subprocess.Popen(list(argv), env=child_env(), stdin=subprocess.DEVNULL), url)
+    def start(cls, name: str, argv: Sequence[str], url: str, env: Mapping[str, str] | None = None) -> Child:
+        """Start ``argv`` with the terminal's output (``env`` added to the children's environment)."""
+        return cls(name, subprocess.Popen(list(argv), env={**child_env(), **(env or {})}, stdin=subprocess.DEVNULL),
+                   url)
 
     def alive(self) -> bool:
         """True while the process runs."""

@@ -1,40 +1,31 @@
 """Routing: turns a request (or a token) into adapter weights over named adapters.
 
 FedDPA instance-wise weighting (paper 000 section 4.3) over cached per-client embeddings, static and
-explicit weights, and the contract every router returns (``RoutingDecision``). Imports only
-``adapters`` (plus torch, numpy, faiss).
+explicit weights, and the one contract: every router returns a ``RoutingDecision``, and serving asks a
+``WeightRouter`` for a client's. Imports only ``adapters`` (plus torch, numpy, faiss).
 """
 
-from routing.base import (
-    GLOBAL,
-    LOCAL,
-    Router,
-    RoutingDecision,
-    RoutingError,
-    RoutingInput,
-    stack_decisions,
-)
+from routing.base import GLOBAL, LOCAL_SUFFIX, RoutingDecision, RoutingError, WeightRouter, local_name
 from routing.cache import EmbeddingIndex, IndexCache
 from routing.embedding import embed_prompts, last_token_state
 from routing.feddpa import FedDPARouter
-from routing.static import StaticRouter, base_model, fixed_feddpa, mixture, single
+from routing.static import FixedWeightRouter, base_model, fixed_feddpa, mixture, single
 
 __all__ = [
     "GLOBAL",
-    "LOCAL",
+    "LOCAL_SUFFIX",
     "EmbeddingIndex",
     "FedDPARouter",
+    "FixedWeightRouter",
     "IndexCache",
-    "Router",
     "RoutingDecision",
     "RoutingError",
-    "RoutingInput",
-    "StaticRouter",
+    "WeightRouter",
     "base_model",
     "embed_prompts",
     "fixed_feddpa",
     "last_token_state",
+    "local_name",
     "mixture",
     "single",
-    "stack_decisions",
 ]

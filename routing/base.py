@@ -1,29 +1,32 @@
-"""The routing contract: a request goes in, per-adapter weights come out (DESIGN.md, "the one contract").
+"""The routing contract: a request goes in, per-adapter weights come out (ARCHITECTURE.md, "the one contract").
 
 Every router returns a :class:`RoutingDecision`: K adapter names and their weights, ``(K,)`` for the
 whole request or ``(T, K)`` per token, plus an ``info`` dict that explains the decision (FedDPA's
-``a``, the mean similarity, the sampling mode and S of paper 000 section 4.3). The engine stacks the
-decisions of a batch into the ``(B, K)`` matrix that ``AdaptedModel.context.use`` applies to every
-adapted layer; a zero row is the base model, a one-hot row one adapter.
+``a``, the mean similarity, the sampling mode and S of paper 000 section 4.3). A
+:class:`WeightRouter` is what serving asks for a client's weights. The engine turns a batch's
+decisions into the ``(B, K)`` matrix ``AdaptedModel.context.use`` applies to every adapted layer
+(:func:`adapters.context.weight_matrix`, the one builder); a zero row is the base model.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from adapters import AdapterError
 
-if TYPE_CHECKING:
-    from routing.cache import EmbeddingIndex
+GLOBAL = "global"  # the global adapter's name, in a run directory, a server and a decision
+LOCAL_SUFFIX = ":local"  # a client's local adapter is served as ``<client>:local``
 
-GLOBAL = "global"
-LOCAL = "local"
+
+def local_name(client: str) -> str:
+    """The served name of ``client``'s local adapter."""
+    return f"{client}{LOCAL_SUFFIX}"
 
 
 class RoutingError(AdapterError):
@@ -36,7 +39,9 @@ class RoutingDecision:
 
     Attributes:
         names: K unique adapter names, in the order of the last weights axis; ``()`` is the base model.
-        weights: ``(K,)`` for the whole request or ``(T, K)`` per token; float32, finite.
+        weights: ``(K,)`` for the whole request or ``(T, K)`` per token; float64 (the numbers a router
+            computed, reported exactly in responses), finite, on the CPU (a
+            request's few numbers; a batch's matrix is built on the model's device).
         info: why these weights (read-only): ``mode``, ``S``, ``mean_similarity``, ``lambda``, ``a``...
     """
 
@@ -52,7 +57,7 @@ class RoutingDecision:
             raise RoutingError(f"adapter names in one decision must be unique, got {names}")
         if not isinstance(self.weights, torch.Tensor):
             raise RoutingError(f"routing weights must be a torch.Tensor, got {type(self.weights).__name__}")
-        weights = self.weights.detach().to(torch.float32)
+        weights = self.weights.detach().to("cpu", torch.float64)
         if weights.dim() not in (1, 2) or weights.shape[-1] != len(names):
             raise RoutingError(
                 f"routing weights must have shape (K,) or (T, K) with K={len(names)} for {names}, "
@@ -81,7 +86,7 @@ class RoutingDecision:
         return self.weights.unsqueeze(0).expand(batch, -1).clone()  # (batch, K)
 
     def renamed(self, mapping: Mapping[str, str]) -> RoutingDecision:
-        """Return the decision with names replaced (``"local"`` -> ``"alice:local"``), weights unchanged."""
+        """Return the decision with names replaced (``"g"`` -> ``"global"``), weights unchanged."""
         return RoutingDecision(tuple(mapping.get(n, n) for n in self.names), self.weights, self.info)
 
     def as_dict(self) -> dict[str, Any]:
@@ -89,62 +94,20 @@ class RoutingDecision:
         return {"names": list(self.names), "weights": self.weights.tolist(), "info": dict(self.info)}
 
 
-@dataclass(frozen=True)
-class RoutingInput:
-    """What a router may look at for one request.
-
-    Attributes:
-        client: the requesting client's id (None for anonymous requests).
-        representation: ``(H,)`` final-layer last-token state of the prompt with the global adapter on.
-        index: the client's local-instance embeddings (FedDPA).
-    """
-
-    client: str | None = None
-    representation: torch.Tensor | None = None
-    index: EmbeddingIndex | None = None
-
-
 @runtime_checkable
-class Router(Protocol):
-    """Turns one request into adapter weights.
+class WeightRouter(Protocol):
+    """Adapter weights for one client's request: the contract between routing and serving.
 
-    ``needs_representation`` tells the engine whether to run the extra prompt forward (with the
-    global adapter on) that produces ``RoutingInput.representation`` before routing.
+    Given the client and (when ``uses_state``) the final-layer state of the prompt's last token taken
+    during prefill with the global adapter on (paper 000 section 4.3), a router returns a
+    :class:`RoutingDecision` over adapter names as the server knows them (``global``,
+    ``<client>:local``). The serving engine asks for the state only when ``uses_state`` is True.
     """
 
     @property
-    def needs_representation(self) -> bool: ...
+    def uses_state(self) -> bool: ...
 
-    def route(self, request: RoutingInput) -> RoutingDecision: ...
-
-
-def stack_decisions(decisions: Sequence[RoutingDecision]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """Merge per-request decisions into the batch's ``(names, (B, K))`` for ``context.use``.
-
-    Names are the union in first-seen order; a row has zero weight for adapters it did not name.
-
-    Args:
-        decisions: one whole-request decision per batch row.
-
-    Returns:
-        The K names and the ``(B, K)`` weight matrix.
-
-    Raises:
-        RoutingError: when the list is empty or a decision is per-token.
-    """
-    if not decisions:
-        raise RoutingError("stack_decisions needs at least one decision")
-    names: dict[str, int] = {}
-    for d in decisions:
-        if d.per_token:
-            raise RoutingError("stack_decisions takes whole-request (K,) decisions, got a (T, K) one")
-        for n in d.names:
-            names.setdefault(n, len(names))
-    out = torch.zeros(len(decisions), len(names))  # (B, K)
-    for b, d in enumerate(decisions):
-        if d.names:
-            out[b, [names[n] for n in d.names]] = d.weights
-    return tuple(names), out
+    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision: ...
 
 
 def check_fraction(value: float, what: str) -> float:

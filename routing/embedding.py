@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 import torch
 
-from adapters import AdaptedModel
+from adapters import AdaptedModel, module_device
 from routing.base import RoutingError
 
 
@@ -26,7 +26,8 @@ def last_token_state(
 
     For Llama ``hidden_states[-1]`` is taken after the final RMSNorm, as in the reference code.
     Position ids follow the attention mask (as in HF generation), so a left-padded row gets the same
-    positions as when it runs alone.
+    positions as when it runs alone. The inputs may be on any device (a tokenizer gives CPU tensors):
+    they are moved to the model's.
 
     Args:
         model: the causal LM.
@@ -37,7 +38,7 @@ def last_token_state(
         weights: (B, K) adapter weights; ones when omitted.
 
     Returns:
-        (B, H) float32 states.
+        (B, H) float32 states on the model's device.
 
     Raises:
         RoutingError: mismatched shapes, or a row with no real token.
@@ -47,22 +48,22 @@ def last_token_state(
             f"input_ids and attention_mask must both be (B, T), got {tuple(input_ids.shape)} "
             f"and {tuple(attention_mask.shape)}"
         )
-    mask = attention_mask.long()
-    if (mask.sum(dim=1) == 0).any():
+    if (attention_mask.sum(dim=1) == 0).any():  # checked where the mask is (no device round trip for CPU masks)
         raise RoutingError("every row needs at least one real token (an all-padding row has no last token)")
+    device = module_device(model)
+    input_ids, mask = input_ids.to(device), attention_mask.to(device).long()
     ctx: AbstractContextManager[object] = nullcontext()
     if adapted is not None and names:
-        w = weights if weights is not None else torch.ones(input_ids.shape[0], len(names))
+        w = weights if weights is not None else torch.ones(input_ids.shape[0], len(names), device=device)
         ctx = adapted.context.use(tuple(names), w)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
     with torch.inference_mode(), ctx:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                    output_hidden_states=True)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
     hidden = out.hidden_states[-1]  # (B, T, H)
     # the last real token is the largest index with mask 1, whichever side the padding is on
-    index = torch.arange(mask.shape[1]).expand_as(mask)  # (B, T)
+    index = torch.arange(mask.shape[1], device=device).expand_as(mask)  # (B, T)
     last = (index * mask).argmax(dim=1)  # (B,)
-    return hidden[torch.arange(hidden.shape[0]), last].float()
+    return hidden[torch.arange(hidden.shape[0], device=device), last].float()
 
 
 def embed_prompts(
@@ -104,6 +105,6 @@ def embed_prompts(
             states = last_token_state(model, adapted, enc["input_ids"], enc["attention_mask"], names)  # (b, H)
         if out is None:
             out = np.empty((len(prompts), states.shape[1]), dtype=np.float32)
-        out[chunk] = states.numpy()
+        out[chunk] = states.cpu().numpy()  # numpy (and the faiss index built from it) lives on the CPU
     assert out is not None
     return out

@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from routing.base import GLOBAL, LOCAL, RoutingDecision, RoutingError, RoutingInput
+from routing.base import GLOBAL, RoutingDecision, RoutingError, local_name
 from routing.cache import EmbeddingIndex
 
 Mode = Literal["random", "knn"]
@@ -43,8 +43,6 @@ class FedDPARouter:
         clip: clip ``a`` to [0, 1] (the paper's score range); False keeps the raw value (reference code).
         seed: seed of the sampling generator (None: fresh OS entropy); ``random`` mode only.
         variant: ``paper`` gives ``a`` to the local adapter, ``reference`` to the global one.
-        global_name: name of the global adapter in the decision.
-        local_name: name of the local adapter in the decision.
     """
 
     lambda_: float = 1.0
@@ -53,8 +51,6 @@ class FedDPARouter:
     clip: bool = True
     seed: int | None = None
     variant: Variant = "paper"
-    global_name: str = GLOBAL
-    local_name: str = LOCAL
     _rng: np.random.Generator = field(init=False, repr=False)
     # np.random.Generator is not thread-safe and the HTTP server routes from several threads
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
@@ -69,42 +65,24 @@ class FedDPARouter:
             raise RoutingError(f"FedDPA mode must be 'random' or 'knn', got {self.mode!r}")
         if self.variant not in ("paper", "reference"):
             raise RoutingError(f"FedDPA variant must be 'paper' or 'reference', got {self.variant!r}")
-        if self.global_name == self.local_name:
-            raise RoutingError(f"global_name and local_name must differ, both are {self.global_name!r}")
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
-
-    @property
-    def needs_representation(self) -> bool:
-        """FedDPA routes on the prompt's final-layer last-token state."""
-        return True
-
-    def route(self, request: RoutingInput) -> RoutingDecision:
-        """Route a request carrying its representation and its client's index.
-
-        Raises:
-            RoutingError: the request has no representation or no index.
-        """
-        if request.representation is None:
-            raise RoutingError("FedDPA routing needs the request's representation (last-token state)")
-        if request.index is None:
-            who = f"client {request.client!r}" if request.client else "the request"
-            raise RoutingError(f"FedDPA routing needs the local-instance index of {who}")
-        return self.decide(request.representation, request.index)
 
     def decide(
         self, representation: torch.Tensor | np.ndarray, index: EmbeddingIndex,
-        generator: np.random.Generator | None = None,
+        generator: np.random.Generator | None = None, client: str = "client",
     ) -> RoutingDecision:
-        """Return the FedDPA decision for one request.
+        """Return the FedDPA decision for one request of ``client``.
 
         Args:
             representation: ``(H,)`` or ``(1, H)`` last-token state of the prompt.
             index: the client's local-instance embeddings.
             generator: sampling generator for this request (e.g. seeded by the request); the
                 router's own seeded generator when None.
+            client: the requesting client (the decision names its local adapter ``<client>:local``).
 
         Returns:
-            Weights ``(1 - a, a)`` over (global, local) (``(a, 1 - a)`` for the reference variant);
+            Weights ``(1 - a, a)`` over (``global``, ``<client>:local``) (``(a, 1 - a)`` for the
+            reference variant);
             info holds ``mode``, ``S``, ``S_requested``, ``mean_similarity``, ``lambda``, ``a``,
             ``variant`` and, when the index was smaller than S, a ``note``.
 
@@ -131,11 +109,11 @@ class FedDPARouter:
         if self.clip:
             a = min(max(a, 0.0), 1.0)
         a_to_local = self.variant == "paper"
-        weights = torch.tensor([1.0 - a, a] if a_to_local else [a, 1.0 - a], dtype=torch.float32)
+        weights = torch.tensor([1.0 - a, a] if a_to_local else [a, 1.0 - a], dtype=torch.float64)
         info: dict[str, object] = {
             "mode": self.mode, "S": s, "S_requested": self.S, "mean_similarity": mean,
             "lambda": float(self.lambda_), "a": a, "variant": self.variant,
         }
         if s < self.S:
             info["note"] = f"S={self.S} exceeds the {len(index)} stored instances; used all {len(index)}"
-        return RoutingDecision((self.global_name, self.local_name), weights, info)
+        return RoutingDecision((GLOBAL, local_name(client)), weights, info)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from routing.base import GLOBAL, LOCAL, RoutingDecision, RoutingError, RoutingInput, check_fraction
+from routing.base import GLOBAL, RoutingDecision, RoutingError, check_fraction, local_name
 
 
 def _check_known(names: Sequence[str], known: Collection[str] | None) -> None:
@@ -67,14 +67,14 @@ def mixture(
     names = tuple(names)
     if not names:
         raise RoutingError("a mixture needs at least one adapter name (use base_model() for none)")
-    w = weights.detach().to(torch.float32) if isinstance(weights, torch.Tensor) else None
+    w = weights.detach().to(torch.float64) if isinstance(weights, torch.Tensor) else None
     if w is None:
         values = list(weights)
         if len(values) != len(names):
             raise RoutingError(f"a mixture has {len(names)} names {names} but {len(values)} weights")
         if not all(isinstance(v, int | float) for v in values):
             raise RoutingError(f"mixture weights must be numbers, got {values}")
-        w = torch.tensor(values, dtype=torch.float32)
+        w = torch.tensor(values, dtype=torch.float64)
     elif w.shape[-1:] != (len(names),) or w.dim() not in (1, 2):
         raise RoutingError(f"mixture weights must be (K,) or (T, K) with K={len(names)}, got {tuple(w.shape)}")
     if len(set(names)) != len(names):
@@ -90,30 +90,34 @@ def mixture(
     return RoutingDecision(names, w, {"mode": "mixture"})
 
 
-def fixed_feddpa(a: float, global_name: str = GLOBAL, local_name: str = LOCAL) -> RoutingDecision:
-    """Return FedDPA at a fixed local weight: ``(1 - a, a)`` over (global, local).
+def fixed_feddpa(a: float, client: str) -> RoutingDecision:
+    """Return FedDPA at a fixed local weight: ``(1 - a, a)`` over (``global``, ``<client>:local``).
 
     This is FedDPA without the instance-wise weighting (paper 000 Table 3, "w/o Auto"), and the form
     a client is exported in at one ``a``.
 
     Raises:
-        RoutingError: ``a`` outside [0, 1] or not finite; equal adapter names.
+        RoutingError: ``a`` outside [0, 1] or not finite.
     """
     a = check_fraction(a, "the fixed FedDPA weight a")
-    return RoutingDecision((global_name, local_name), torch.tensor([1.0 - a, a]), {"mode": "fixed", "a": a})
+    return RoutingDecision((GLOBAL, local_name(client)), torch.tensor([1.0 - a, a], dtype=torch.float64),
+                           {"mode": "fixed", "alpha": a, "source": "fixed"})
 
 
-@dataclass(frozen=True, eq=False)
-class StaticRouter:
-    """A :class:`~routing.base.Router` that returns the same decision for every request."""
+@dataclass(frozen=True)
+class FixedWeightRouter:
+    """A :class:`~routing.base.WeightRouter` giving every request of a client the run's fixed weight.
 
-    decision: RoutingDecision
+    Attributes:
+        alpha: the local adapter's weight (FedDPA's ``inference_weight``), in [0, 1].
+    """
 
-    @property
-    def needs_representation(self) -> bool:
-        """A fixed decision needs no prompt embedding."""
-        return False
+    alpha: float
+    uses_state: bool = False
 
-    def route(self, request: RoutingInput | None = None) -> RoutingDecision:
-        """Return the fixed decision (the request is ignored)."""
-        return self.decision
+    def __post_init__(self) -> None:
+        check_fraction(self.alpha, "alpha")
+
+    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision:
+        """The fixed decision for ``client`` (the state is not read)."""
+        return fixed_feddpa(self.alpha, client)

@@ -14,15 +14,17 @@ Placement only (names, versions, capacity); the math lives in :mod:`adapters`. R
 * Adapter paths are resolved (symlinks included) and must stay inside the configured root.
 
 A training run directory (:mod:`adapters.rundir`) registers ``global`` and ``<client>:local`` for each
-client (:mod:`serving.pool_run`); local adapters beyond the free slots are only registered
+client (:mod:`serving.pool_run`), and records each client's embedding files for FedDPA routing (paper
+000 section 4.3) without loading them; local adapters beyond the free slots are only registered
 (:meth:`AdapterPool.register`, loaded on first use like evicted ones), so a run with 1,000 clients
 neither reads 1,000 adapters at start-up nor holds more than ``max_loras``. All state changes happen
-under the engine's model lock.
+under the engine's model lock, and every read-only view (:mod:`serving.pool_views`) reads under it too.
 
 A FedAMoLE model (an ``adapters/amole`` folder, or a run directory holding one; paper 002) is one
 entry too, of kind ``amole`` (:mod:`serving.amole_router`): it takes one slot, versions and leases
 like a LoRA adapter, and serves each client of its assignments under the client's own name. A lease
-on a client hands out the route name ``<name>@<version>/<client>``.
+on a client hands out a typed :class:`~serving.amole_router.AMoLEClientRoute` (the bundle version and
+that client's assignment only), which the request carries to the engine.
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ from pathlib import Path
 
 from adapters import AdaptedModel, AdapterError, load_adapter
 from adapters.io import CONFIG_FILE, WEIGHTS_FILE
-from serving.amole_router import (
-    AMoLEBundle,
-    AMoLERegistry,
-    amole_folder,
-    client_names,
-    load_bundle,
-    registry_for,
-    unload_bundle,
+from serving.amole_router import AMoLEClientRoute, AMoLERegistry, amole_folder, client_names, load_bundle, unload_bundle
+from serving.errors import (
+    AdapterExists,
+    AdapterLoadFailed,
+    AdapterNotFound,
+    AdapterPinned,
+    InvalidRequest,
+    NoFreeSlot,
+    PathNotAllowed,
 )
-from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, NoFreeSlot, PathNotAllowed
 from serving.pool_run import ClientFiles, RunInfo, register_run
+from serving.pool_views import PoolViews
 
 __all__ = ["AdapterInfo", "AdapterPool", "ClientFiles", "Lease", "RunInfo"]
 
@@ -85,14 +88,18 @@ class _Entry:
 
 
 class Lease:
-    """The internal adapter names a request decodes with; release exactly once when it finishes.
+    """The adapter versions a request decodes with; release exactly once when it finishes.
 
-    ``names`` go into the request (AMoLE clients as route names); ``keys`` are the versions held.
+    ``names`` are the internal names of its plain adapters (they go into the request's
+    ``adapter_names``); ``route`` is its AMoLE client's route when it leased one; ``keys`` are the
+    versions held.
     """
 
-    def __init__(self, pool: AdapterPool, names: tuple[str, ...], keys: tuple[str, ...] | None = None) -> None:
+    def __init__(self, pool: AdapterPool, names: tuple[str, ...], keys: tuple[str, ...] | None = None,
+                 route: AMoLEClientRoute | None = None) -> None:
         self.pool = pool
         self.names = names
+        self.route = route
         self.keys = names if keys is None else keys
         self._released = False
 
@@ -103,7 +110,7 @@ class Lease:
             self.pool._release(self.keys)
 
 
-class AdapterPool:
+class AdapterPool(PoolViews):
     """Named, versioned, capacity-limited adapters in one :class:`~adapters.AdaptedModel`.
 
     Args:
@@ -112,7 +119,7 @@ class AdapterPool:
         max_loras: adapters loaded at once.
         model_lock: the engine's model lock (every change to the model happens under it).
         check_base: refuse adapters trained on another base model.
-        amole: where AMoLE versions are registered for the engine (default: the model's registry).
+        amole: the registry of the AMoLE versions resident in the model (default: a new one).
     """
 
     def __init__(self, adapted: AdaptedModel, root: Path | None = None, max_loras: int = 8,
@@ -130,7 +137,7 @@ class AdapterPool:
         self._retired: set[str] = set()  # replaced or unloaded versions still leased
         self._versions: dict[str, int] = {}  # never reset, so a name's versions never repeat
         self._tick = 0
-        self.amole = amole if amole is not None else registry_for(adapted)
+        self.amole = amole if amole is not None else AMoLERegistry()
         self._amole_clients: dict[str, str] = {}  # AMoLE client name -> its entry's name
 
     # --- paths ---------------------------------------------------------------------------------
@@ -233,15 +240,24 @@ class AdapterPool:
             if self._amole_clients.get(client) == entry.name:
                 del self._amole_clients[client]
 
-    def unload(self, name: str) -> None:
-        """Forget ``name``; its version leaves the model once no request holds it."""
+    def unload(self, name: str, force: bool = False) -> None:
+        """Forget ``name``; its version leaves the model once no request holds it.
+
+        Raises:
+            AdapterNotFound: ``name`` is not registered (or is an AMoLE client, not a model).
+            AdapterPinned: ``name`` is pinned and ``force`` is False.
+        """
         with self.lock:
             if name in self._amole_clients:
                 raise AdapterNotFound(f"{name!r} is a client of the AMoLE model {self._amole_clients[name]!r}; "
                                       "unload that model")
-            entry = self._entries.pop(name, None)
+            entry = self._entries.get(name)
             if entry is None:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded")
+            if entry.pinned and not force:
+                raise AdapterPinned(f"adapter {name!r} is pinned (targets built on it stop working without it); "
+                                    "unload it with force")
+            del self._entries[name]
             self._retire(entry)
             self._forget_clients(entry)
 
@@ -259,13 +275,16 @@ class AdapterPool:
     def acquire(self, names: Iterable[str]) -> Lease:
         """Lease the current versions of ``names`` (reloading evicted ones) for one request.
 
-        ``names`` are adapter names or AMoLE client names.
+        ``names`` are adapter names or one AMoLE client's name (alone: a client routes every token
+        over its own experts, it does not mix with plain adapters).
 
         Returns:
-            A lease whose ``names`` are the internal adapter names (AMoLE clients: route names), in order.
+            A lease whose ``names`` are the plain adapters' internal names, in order, and whose
+            ``route`` is the AMoLE client's route (None without one).
 
         Raises:
             AdapterNotFound: a name is not registered.
+            InvalidRequest: an AMoLE client named together with other adapters.
             NoFreeSlot: an evicted adapter cannot be reloaded because nothing can be evicted.
         """
         wanted = tuple(names)
@@ -273,9 +292,13 @@ class AdapterPool:
             missing = [n for n in wanted if n not in self._amole_clients
                        and (n not in self._entries or self._entries[n].kind != "lora")]
             if missing:
-                raise AdapterNotFound(f"adapters {missing} are not loaded; loaded: {sorted(self._entries)}")
+                raise AdapterNotFound(f"adapters {missing} are not loaded")
+            routed = [n for n in wanted if n in self._amole_clients]
+            if routed and len(wanted) > 1:
+                raise InvalidRequest(f"the AMoLE client {routed[0]!r} routes every token itself; request it alone",
+                                     param="model")
             owners = tuple(self._amole_clients.get(n, n) for n in wanted)
-            request_names, keys = [], []
+            plain, keys, route = [], [], None
             for name, owner in zip(wanted, owners, strict=True):
                 entry = self._entries[owner]
                 if entry.internal is None:
@@ -284,11 +307,13 @@ class AdapterPool:
                 entry.last_used = self._tick
                 assert entry.internal is not None
                 keys.append(entry.internal)
-                request_names.append(self.amole.route_name(entry.internal, name) if entry.kind == "amole"
-                                     else entry.internal)
+                if entry.kind == "amole":
+                    route = self.amole.route(entry.internal, name)
+                else:
+                    plain.append(entry.internal)
             for key in keys:
                 self._leases[key] = self._leases.get(key, 0) + 1
-            return Lease(self, tuple(request_names), tuple(keys))
+            return Lease(self, tuple(plain), tuple(keys), route)
 
     def _release(self, internal: tuple[str, ...]) -> None:
         with self.lock:
@@ -299,45 +324,6 @@ class AdapterPool:
                     if key in self._retired:
                         self._retired.discard(key)
                         self._drop(key)
-
-    # --- views ---------------------------------------------------------------------------------
-
-    def __contains__(self, name: object) -> bool:
-        """True for a registered LoRA adapter name (AMoLE models and clients: :meth:`amole_model_of`)."""
-        entry = self._entries.get(name) if isinstance(name, str) else None
-        return entry is not None and entry.kind == "lora"
-
-    def names(self) -> list[str]:
-        """Registered LoRA adapter names, in registration order."""
-        return [n for n, e in self._entries.items() if e.kind == "lora"]
-
-    def amole_models(self) -> list[str]:
-        """Registered AMoLE model names, in registration order."""
-        return [n for n, e in self._entries.items() if e.kind == "amole"]
-
-    def amole_clients(self) -> list[str]:
-        """Every AMoLE client served, by model then assignment order."""
-        return [c for e in self._entries.values() if e.kind == "amole" for c in e.clients]
-
-    def amole_model_of(self, client: str) -> str | None:
-        """The AMoLE model serving ``client``, or None."""
-        return self._amole_clients.get(client)
-
-    def amole_bundle(self, name: str) -> AMoLEBundle | None:
-        """The loaded version of AMoLE model ``name`` (None while evicted or unknown)."""
-        entry = self._entries.get(name)
-        return self.amole.get(entry.internal) if entry is not None and entry.internal else None
-
-    def info(self, name: str | None = None) -> list[AdapterInfo]:
-        """Snapshots of one registered adapter or of all."""
-        with self.lock:
-            entries = [self._entries[name]] if name is not None and name in self._entries else (
-                [] if name is not None else list(self._entries.values()))
-            return [self._info(e) for e in entries]
-
-    def loaded_count(self) -> int:
-        """Adapters currently in the model (current versions only)."""
-        return sum(e.internal is not None for e in self._entries.values())
 
     # --- internals -----------------------------------------------------------------------------
 

@@ -9,17 +9,17 @@ assignment; there is no global adapter.
 Here one loaded version of such a folder is an :class:`AMoLEBundle`: its experts live in the
 adapted layers under the adapter-name prefix ``<internal>/`` (``amole@2/expert_7``), its token
 projections in the bundle, so two versions coexist while requests of the old one finish. The
-adapter pool loads and drops bundles; requests name one client of one bundle through a route name
-``<internal>/<client>`` (what a pool lease hands out), and the engine turns the routes of a batch
-into one :class:`~adapters.context.AMoLERouting` whose rows are grouped by (version, client). A
-route carries only its own client's assignment: a request never reads another client's.
+adapter pool loads and drops bundles; a pool lease on one client hands out that client's
+:class:`AMoLEClientRoute`, a request carries it as a typed field, and the engine turns the routes of
+a batch into one :class:`~adapters.amole_routing.AMoLERouting` (the layers' token-routing hook) whose
+rows are grouped by (version, client). A route carries only its own client's assignment: a request
+never reads another client's.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ import torch
 from adapters import AdaptedModel, AdapterError
 from adapters.amole_io import ASSIGNMENTS, CONFIG, read_amole
 from adapters.amole_layer import SHARED, expert_name
-from adapters.context import AdapterContext, AMoLEExperts, AMoLERouting, ExpertRecorder
+from adapters.amole_routing import AMoLEExperts, AMoLERouting, ExpertRecorder
 from adapters.rundir import check_client_id
 
 
@@ -147,16 +147,11 @@ def unload_bundle(adapted: AdaptedModel, bundle: AMoLEBundle) -> None:
 
 
 class AMoLERegistry:
-    """The AMoLE bundles resident in one model, by internal name; route names resolve through it."""
+    """The AMoLE bundles resident in one model, by internal name (the adapter pool owns it)."""
 
     def __init__(self) -> None:
         self._bundles: dict[str, AMoLEBundle] = {}
         self._lock = threading.Lock()
-
-    @staticmethod
-    def route_name(internal: str, client: str) -> str:
-        """The engine-facing name of ``client`` in bundle ``internal``."""
-        return f"{internal}/{client}"
 
     def add(self, bundle: AMoLEBundle) -> None:
         with self._lock:
@@ -169,27 +164,16 @@ class AMoLERegistry:
     def get(self, internal: str) -> AMoLEBundle | None:
         return self._bundles.get(internal)
 
-    def route(self, name: str) -> AMoLEClientRoute | None:
-        """The route a name stands for, or None when it names no loaded (bundle, client)."""
-        internal, sep, client = name.rpartition("/")
-        bundle = self._bundles.get(internal) if sep else None
+    def route(self, internal: str, client: str) -> AMoLEClientRoute:
+        """The route of ``client`` in bundle ``internal`` (only that client's assignment).
+
+        Raises:
+            AdapterError: no such loaded bundle or client.
+        """
+        bundle = self._bundles.get(internal)
         if bundle is None or client not in bundle.assignments:
-            return None
+            raise AdapterError(f"no AMoLE client {client!r} in the loaded version {internal!r}")
         return AMoLEClientRoute(bundle, client, bundle.assignments[client])
-
-
-_REGISTRIES: weakref.WeakKeyDictionary[AdapterContext, AMoLERegistry] = weakref.WeakKeyDictionary()
-_REGISTRIES_LOCK = threading.Lock()
-
-
-def registry_for(adapted: AdaptedModel) -> AMoLERegistry:
-    """The registry of the AMoLE bundles living in ``adapted`` (one per injected model, shared by
-    its pool and engine)."""
-    with _REGISTRIES_LOCK:
-        registry = _REGISTRIES.get(adapted.context)
-        if registry is None:
-            registry = _REGISTRIES[adapted.context] = AMoLERegistry()
-        return registry
 
 
 def batch_routing(routes: Sequence[AMoLEClientRoute | None],
@@ -212,7 +196,8 @@ def batch_routing(routes: Sequence[AMoLEClientRoute | None],
         row_group.append(groups[route.key])
     if not chosen:
         return None
-    return AMoLERouting(groups=tuple(r.assignment for r in chosen), row_group=torch.tensor(row_group),
+    # row groups are host-side bookkeeping (AMoLERouting keeps them on the CPU)
+    return AMoLERouting(groups=tuple(r.assignment for r in chosen), row_group=torch.tensor(row_group, device="cpu"),
                         experts=tuple(r.bundle.experts for r in chosen), recorder=recorder)
 
 

@@ -5,7 +5,9 @@ Input: one request per line, in the OpenAI / vLLM batch-file format
 or a bare request body (chat when it has ``messages``, completion when it has ``prompt``; its
 custom_id is ``line-<n>``). Bodies are validated by the HTTP API's own models and answered by its own
 builders (:mod:`serving.api.protocol`, :mod:`serving.api.builders`), so a line gets the response body
-the server would send, ``fedmosaic`` extension field included.
+the server would send, ``fedmosaic`` extension field included (with the FedDPA routing details: the
+batch runner is the operator's own tool). A line asking for several choices (``n``, a batch of
+prompts) runs them all and is answered once the last one finished.
 
 Output: the OpenAI batch output format, one line per request, in input order:
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``. A bad line (invalid
@@ -35,8 +37,10 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from serving.api import builders
+from serving.api.builders import Choice, Limits
 from serving.api.errors import error_payload, validation_payload
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.responses import Answer, ChatShape, CompletionShape
 from serving.stack import Job, Outcome
 
 logger = logging.getLogger(__name__)
@@ -60,11 +64,17 @@ class BatchConfig:
         max_tokens_limit: the largest ``max_tokens`` a line may ask for.
         default_max_tokens: ``max_tokens`` of a chat line that sets none.
         window: requests in flight at most (None: the executor's default).
+        max_choices: choices one line may ask for (prompts x n).
     """
 
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
     window: int | None = None
+    max_choices: int = 64
+
+    def limits(self) -> Limits:
+        """The request limits every line gets."""
+        return Limits(self.max_tokens_limit, self.default_max_tokens, self.max_choices)
 
 
 @dataclass(frozen=True)
@@ -156,33 +166,36 @@ def output_line(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, 
             "error": error}
 
 
-def _job(line: Line, tokenizer: object, config: BatchConfig) -> Job:
-    """The engine job of a valid line (raises InvalidRequest on template or limit errors)."""
+def _jobs(line: Line, tokenizer: object, config: BatchConfig) -> list[tuple[Choice, Job]]:
+    """The engine jobs of a valid line, one per choice (raises InvalidRequest on template or limit errors)."""
     body = line.body
     assert body is not None
-    if isinstance(body, ChatCompletionRequest):
-        prompt = builders.chat_prompt(tokenizer, body)
-    else:
-        prompt = builders.completion_prompt(body)
-    sampling = builders.sampling_params(body, config.max_tokens_limit, config.default_max_tokens)
     mixture = body.mixture()
-    return Job(target=body.model, sampling=sampling, prompt=prompt, mixture=tuple(mixture) if mixture else None,
-               key=line.n)
+    return [(c, Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids,
+                    mixture=tuple(mixture) if mixture else None, key=(line.n, i)))
+            for i, c in enumerate(builders.choices(body, tokenizer, config.limits()))]
 
 
-def _answer(line: Line, outcome: Outcome, created: int) -> tuple[int, dict[str, Any]]:
-    assert line.body is not None
-    if outcome.error is not None:
-        return error_payload(outcome.error)
-    assert outcome.result is not None and outcome.plan is not None
+def _answer(line: Line, tokenizer: object, choices: list[Choice], outcomes: list[Outcome], created: int
+            ) -> tuple[int, dict[str, Any]]:
+    body = line.body
+    assert body is not None
+    failed = next((o.error for o in outcomes if o.error is not None), None)
+    if failed is not None:
+        return error_payload(failed)
+    answers = []
+    for choice, outcome in zip(choices, outcomes, strict=True):
+        assert outcome.result is not None and outcome.plan is not None
+        answers.append(Answer(choice, outcome.plan, outcome.result))
     try:
-        if line.url == CHAT:
-            return 200, builders.chat_body(f"chatcmpl-{uuid.uuid4().hex}", created, line.body.model, outcome.plan,
-                                           outcome.result)
-        echo = (outcome.job.prompt or "") if getattr(line.body, "echo", False) else ""
-        return 200, builders.completion_body(f"cmpl-{uuid.uuid4().hex}", created, line.body.model, outcome.plan,
-                                             outcome.result, echo)
-    except Exception as exc:  # noqa: BLE001 - an engine error or cancellation of this line only
+        if isinstance(body, ChatCompletionRequest):
+            k = (body.top_logprobs or 0) if body.logprobs else None
+            head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": created, "model": body.model}
+            return 200, ChatShape(tokenizer, head, True, k).body(answers)
+        assert isinstance(body, CompletionRequest)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": created, "model": body.model}
+        return 200, CompletionShape(tokenizer, head, True, body.logprobs).body(answers)
+    except Exception as exc:  # an engine error or cancellation of this line only
         logger.error("line %d (%s) failed: %s", line.n, line.custom_id, exc)
         return error_payload(exc)
 
@@ -233,20 +246,26 @@ def run_batch(executor: Executor, tokenizer: object, input_path: str | Path, out
             bar.update(1)
 
         jobs: list[Job] = []
-        by_n: dict[int, Line] = {}
+        by_n: dict[int, tuple[Line, list[Choice]]] = {}
         for line in todo:
             if line.error is not None:
                 record(line, *line.error)
                 continue
             try:
-                jobs.append(_job(line, tokenizer, config))
-            except Exception as exc:  # noqa: BLE001 - template or limit errors of this line only
+                pairs = _jobs(line, tokenizer, config)
+            except Exception as exc:  # template or limit errors of this line only
                 record(line, *error_payload(exc))
                 continue
-            by_n[line.n] = line
+            jobs += [job for _, job in pairs]
+            by_n[line.n] = (line, [choice for choice, _ in pairs])
+        arrived: dict[int, dict[int, Outcome]] = {}
         for outcome in executor.run(jobs, config.window):
-            line = by_n[outcome.job.key]
-            record(line, *_answer(line, outcome, created))
+            n, i = outcome.job.key
+            line, choices = by_n[n]
+            arrived.setdefault(n, {})[i] = outcome
+            if len(arrived[n]) == len(choices):  # every choice of the line finished
+                got = arrived.pop(n)
+                record(line, *_answer(line, tokenizer, choices, [got[j] for j in range(len(choices))], created))
     ordered = [results[line.n] for line in lines]
     extra = [row for cid, row in done.items() if cid not in seen]  # answered before, no longer in the input
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

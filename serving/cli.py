@@ -15,58 +15,92 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from models.settings import DEVICE_HELP, device_option, resolve_device
 from serving.settings import ServeSettings
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    # every default is None: an option left out never overrides FEDMOSAIC_SERVE_* (ServeSettings' defaults apply)
     p.add_argument("sources", nargs="*", help="RUN_DIR (with run.json) or adapter folders as name=folder")
-    p.add_argument("--model", default="smollm2", help="base model: smollm2, tiny, or an HF folder")
+    p.add_argument("--model", default=None, help="base model: smollm2 (default), tiny, or an HF folder")
     p.add_argument("--served-model-name", default=None, help="name of the base model in the API")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
-    p.add_argument("--max-loras", type=int, default=16, help="adapters loaded at once (LRU beyond)")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-tokens-limit", type=int, default=1024)
-    p.add_argument("--adapter-root", default=None, help="runtime-loaded adapters must lie inside it")
-    p.add_argument("--feddpa-routing", choices=["instance", "fixed"], default="instance",
-                   help="<client> targets: instance-wise weights from the run's embeddings, or its fixed weight")
+    p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
+    p.add_argument("--max-loras", type=int, default=None, help="adapters loaded at once (LRU beyond; default 16)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
+    p.add_argument("--max-model-len", type=int, default=None, help="default 2048")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="default 1024")
+    p.add_argument("--adapter-root", default=None,
+                   help="runtime-loaded adapters must lie inside it (default: the run directory)")
+    p.add_argument("--feddpa-routing", choices=["instance", "fixed"], default=None,
+                   help="<client> targets: instance-wise weights from the run's embeddings (default), or its fixed "
+                        "weight")
 
 
 def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to ``subparsers`` and return its parser."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible server for the base model and its adapters")
     _add_model_arguments(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=[], help="bearer key for /v1/* (repeatable)")
-    p.add_argument("--no-runtime-lora", action="store_true", help="disable /v1/load_lora_adapter and unload")
+    p.add_argument("--host", default=None, help="default 127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default 8000")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="user bearer key (repeatable); visible in `ps`: prefer FEDMOSAIC_SERVE_API_KEYS or "
+                        "--api-key-file")
+    p.add_argument("--api-key-file", default=None, help="user keys, one per line")
+    p.add_argument("--admin-key-file", default=None,
+                   help="admin keys, one per line (or FEDMOSAIC_SERVE_ADMIN_KEYS): adapter load/unload, run files")
+    p.add_argument("--key-bindings", default=None, help="JSON file binding user keys to the targets they may use")
+    p.add_argument("--runtime-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help="enable /v1/load_lora_adapter and unload (default: on when an admin key is set)")
+    p.add_argument("--routing-details", choices=["admin", "all", "none"], default=None,
+                   help="who sees FedDPA similarities in responses (default: admin keys only)")
+    p.add_argument("--protect-metrics", action=argparse.BooleanOptionalAction, default=None,
+                   help="/metrics needs an admin key")
     return p
 
 
+# argparse destination -> ServeSettings field, for the options that map one to one
+_OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype", "device": "device",
+            "max_loras": "max_loras", "max_batch_size": "max_batch_size", "max_model_len": "max_model_len",
+            "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
+            "feddpa_routing": "feddpa_routing", "host": "host", "port": "port", "api_key": "api_keys",
+            "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
+            "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
+            "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens"}
+
+
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
-    """Translate parsed options into settings (one run directory at most)."""
+    """Translate parsed options into settings (one run directory at most).
+
+    Only the options given on the command line are passed: the others come from the environment
+    (``FEDMOSAIC_SERVE_*``) or the settings' defaults.
+    """
     runs = [s for s in args.sources if "=" not in s and (Path(s) / "run.json").is_file()]
     if len(runs) > 1:
         raise SystemExit("fedmosaic: give one run directory at most")
+    given: dict[str, Any] = {field: getattr(args, dest) for dest, field in _OPTIONS.items()
+                             if getattr(args, dest, None) is not None}
+    if runs:
+        given["run_dir"] = Path(runs[0])
     adapters = [s if "=" in s else f"{Path(s).resolve().name}={s}" for s in args.sources if s not in runs]
-    extra = {"host": args.host, "port": args.port, "api_keys": args.api_key,
-             "allow_runtime_lora": not args.no_runtime_lora} if hasattr(args, "host") else {}  # serve only
-    return ServeSettings(
-        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, max_loras=args.max_loras,
-        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens_limit,
-        run_dir=Path(runs[0]) if runs else None, adapters=adapters,
-        adapter_root=Path(args.adapter_root) if args.adapter_root else None, feddpa_routing=args.feddpa_routing,
-        **extra)
+    if adapters:
+        given["adapters"] = adapters
+    return ServeSettings(**given)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted."""
     import uvicorn
 
+    from serving.access import AccessConfigError
     from serving.api import create_app
 
     settings = settings_from_args(args)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    try:
+        app = create_app(settings)
+    except AccessConfigError as exc:
+        raise SystemExit(f"fedmosaic serve: {exc}") from exc
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
 
 
@@ -76,9 +110,10 @@ def add_batch_arguments(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-i", "--input", required=True, help="batch file: OpenAI batch lines or bare request bodies")
     p.add_argument("-o", "--output", required=True, help="results (OpenAI batch output format; resumable)")
     _add_model_arguments(p)
-    p.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens of chat lines that set none")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of chat lines that set none (default 128)")
     p.add_argument("--backend", choices=["auto", "torch", "vllm"], default="auto",
-                   help="auto: vLLM when it imports and CUDA is available, else the PyTorch engine")
+                   help="auto: vLLM when it imports and the device is CUDA, else the PyTorch engine")
     p.add_argument("--levels", type=int, default=11, help="vLLM backend: quantisation levels of the FedDPA weight")
     p.add_argument("--export-dir", default=None, help="vLLM backend: where (client, level) adapters are written")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -90,19 +125,23 @@ def run_batch(args: argparse.Namespace) -> int:
     from serving.api.app import stack_config
     from serving.batch import BatchConfig, run_batch
     from serving.stack import build_stack
-    from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend
+    from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend, vllm_importable
 
-    try:
-        backend = choose_backend(args.backend)
-    except BackendUnavailable as exc:
-        raise SystemExit(f"fedmosaic batch: {exc}") from exc
     settings = settings_from_args(args)
+    device = resolve_device(settings.device)
+    try:  # auto takes vLLM only where the model runs on CUDA
+        backend = choose_backend(args.backend, cuda=None if device.type == "cuda" else False)
+    except BackendUnavailable as exc:
+        if device.type != "cuda" and vllm_importable():  # vLLM is there: the device is what is missing
+            raise SystemExit(f"fedmosaic batch: --backend vllm runs on CUDA, but the device is {device} "
+                             "(--device / FEDMOSAIC_DEVICE)") from exc
+        raise SystemExit(f"fedmosaic batch: {exc}") from exc
     stack = build_stack(stack_config(settings))
     executor: Any = stack
     if backend == "vllm":
         export = Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="fedmosaic-levels-"))
-        executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=args.max_model_len)
-    config = BatchConfig(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
+        executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=settings.max_model_len)
+    config = BatchConfig(max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens)
     summary = run_batch(executor, stack.loaded.tokenizer, args.input, args.output, config,
                         progress=not args.no_progress)
     print(json.dumps({**summary.__dict__, "backend": backend}))

@@ -4,7 +4,7 @@ Requests wait in a queue and take a KV slot (:mod:`serving.kv`) when one is free
 prefills waiting prompts in chunks — one batched forward over every admitted request's next chunk,
 at most ``max_prefill_tokens`` tokens, so a long prompt never stalls running requests for more than
 a chunk — and runs one decode step over every running request, each row with its own adapter
-weights (DESIGN.md, the one contract), so one batch mixes clients. Forwards run on the fused Llama
+weights (the one contract, ARCHITECTURE.md), so one batch mixes clients. Forwards run on the fused Llama
 runner (CUDA graphs on CUDA) or the model's own HF forward (:mod:`serving.executor`).
 
 Routing hook (FedDPA, paper 000 section 4.3): a request with ``weight_fn`` is prefilled with its
@@ -12,9 +12,9 @@ Routing hook (FedDPA, paper 000 section 4.3): a request with ``weight_fn`` is pr
 ``weight_fn``, whose weights serve the decode. With ``exact_prefill`` the prompt is prefilled again
 with the routed weights, so its KV cache and first token use them too.
 
-AMoLE (paper 002 section 4.2): a request naming an AMoLE route (``<model>@<version>/<client>``) is
-routed per token inside the layers over that client's experts, on the HF forward, and its response
-reports the experts its generated tokens went to (``route_info["expert_usage"]``).
+AMoLE (paper 002 section 4.2): a request carrying an AMoLE client's ``route`` is routed per token
+inside the layers over that client's experts (the layers' token-routing hook), on the HF forward,
+and its response reports the experts its generated tokens went to (``route_info["expert_usage"]``).
 
 Failures (issue 14): an exception while prefilling, routing, sampling or decoding fails only the
 requests involved (400 when the request caused it, 500 with the request id otherwise); a request past
@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from adapters import AdaptedModel
-from fedmosaic.models import LoadedModel
-from serving.amole_router import AMoLEClientRoute, AMoLERegistry, registry_for
+from models import LoadedModel
 from serving.errors import EngineNotReady, EngineOverloaded
 from serving.executor import Executor, RowOut
 from serving.kv import SlotKV
 from serving.lifecycle import EngineConfig, Lifecycle
+from serving.logits import RowHistory
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
 from serving.sequence import Sequence, error_status, failed, result
@@ -78,15 +78,13 @@ class Engine(Lifecycle):
         config: batch, length, time and runner settings.
         model_lock: lock held for every forward; the adapter pool holds the same lock while it
             changes the model's adapters, so a forward never sees a half-loaded adapter.
-        amole: where AMoLE route names resolve (default: the model's registry, shared with its pool).
     """
 
     def __init__(self, loaded: LoadedModel, adapted: AdaptedModel | None = None, config: EngineConfig = EngineConfig(),
-                 model_lock: threading.RLock | None = None, amole: AMoLERegistry | None = None) -> None:
+                 model_lock: threading.RLock | None = None) -> None:
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.adapted, self.config = adapted, config
         self.model_lock = model_lock if model_lock is not None else threading.RLock()
-        self.amole = amole if amole is not None else (registry_for(adapted) if adapted is not None else None)
         param = next(self.model.parameters())
         self.device = param.device
         dtype = torch.bfloat16 if loaded.dtype == "autocast-bf16" else param.dtype
@@ -296,8 +294,11 @@ class Engine(Lifecycle):
                 break
             n = min(len(seq.ids) - seq.filled, budget)
             budget -= n
+            req = seq.handle.request
+            final = seq.phase == "fill" or not req.exact_prefill  # this pass's KV and logits are kept
             row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
-                             seq.adapters, want_state=seq.phase == "route")
+                             seq.adapters, want_state=seq.phase == "route",
+                             all_logits=final and req.sampling.prompt_logprobs is not None)
             (plain if seq.adapters.plain else solo).append((seq, row))
         groups = ([plain] if plain else []) + [[item] for item in solo]
         for group in groups:
@@ -307,6 +308,8 @@ class Engine(Lifecycle):
                 if isinstance(out, Exception):
                     self._fail(seq, out, finished)
                     continue
+                if out.chunk_logits is not None:
+                    self.record_prompt_logprobs(seq, row, out.chunk_logits)
                 seq.filled = row.end
                 try:
                     if seq.filled == len(seq.ids) and self.prefilled(seq, out):
@@ -340,11 +343,16 @@ class Engine(Lifecycle):
         self._sampled([s for s, _ in ok], [o.logits for _, o in ok], finished)
 
     def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None:
-        tokens = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs])
-        for seq, token in zip(seqs, tokens, strict=True):
-            if isinstance(token, Exception):
-                self._fail(seq, token, finished)
+        histories = [RowHistory(s.ids, s.output, self.eos_ids) for s in seqs]
+        picked = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs],
+                                      histories)
+        for seq, choice in zip(seqs, picked, strict=True):
+            if isinstance(choice, Exception):
+                self._fail(seq, choice, finished)
                 continue
+            token, logprob = choice
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             reason = self.advance(seq, token)
             if reason is not None:
                 self._end(seq, result(seq, reason), finished)
@@ -353,9 +361,6 @@ class Engine(Lifecycle):
         if error_status(exc) == 500:
             logger.error("request %s failed", seq.request_id, exc_info=exc)
         self._end(seq, failed(seq, exc), finished)
-
-    def _route(self, name: str) -> AMoLEClientRoute | None:
-        return self.amole.route(name) if self.amole is not None and "/" in name else None
 
     def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters:
         """The adapters a phase of ``seq`` runs with (its AMoLE route, or its names at ``weights``)."""

@@ -62,3 +62,11 @@ class GenerationFailed(ServingError):
 
 class RequestTimedOut(ServingError):
     """The request outlived the server's deadline and was cancelled (HTTP 504)."""
+
+
+class AdapterPinned(ServingError):
+    """A pinned adapter was asked to be unloaded without ``force`` (HTTP 409)."""
+
+
+class NameReserved(ServingError):
+    """A runtime load asked for a name the server reserves: the base model, ``global``, a client (HTTP 400)."""

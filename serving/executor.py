@@ -19,6 +19,7 @@ import torch
 
 from adapters import AdaptedModel
 from serving.kv import SlotKV
+from serving.logits import RowHistory, TokenLogprob, process, token_logprobs
 from serving.runner.graphs import DecodeGraphs
 from serving.runner.hf import HFRunner
 from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
@@ -30,11 +31,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RowOut:
-    """One row's share of a forward: logits (V,), final-layer state (H,), AMoLE counts (L, E)."""
+    """One row's share of a forward: logits (V,), state (H,), AMoLE counts (L, E), chunk logits (n, V)."""
 
     logits: torch.Tensor
     state: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    chunk_logits: torch.Tensor | None = None
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -74,7 +76,7 @@ class Executor:
             raise ValueError(f"runner 'fused' cannot serve this model: {reason}")
         else:
             logger.info("serving with the HF forward (%s)", reason)
-        if self.fast is not None and cuda_graphs and kv.device.type == "cuda":
+        if self.fast is not None and cuda_graphs and kv.device.type == "cuda" and torch.cuda.is_available():
             self.graphs = DecodeGraphs(self.fast, max_batch)
 
     def runner_name(self, adapters: Sequence[RowAdapters]) -> str:
@@ -95,7 +97,8 @@ class Executor:
         out = self.fast.prefill(rows) if fast else self.hf.prefill(rows)  # type: ignore[union-attr]
         counts = self._counts(out, [r.adapters for r in rows], last_token=True)
         return [RowOut(out.logits[b], out.states[b] if out.states is not None else None,
-                       counts[b] if counts is not None else None) for b in range(len(rows))]
+                       counts[b] if counts is not None else None,
+                       out.all_logits[b] if out.all_logits is not None else None) for b in range(len(rows))]
 
     def _decode(self, rows: Sequence[DecodeRow]) -> list[RowOut]:
         adapters = [r.adapters for r in rows]
@@ -137,21 +140,33 @@ class Executor:
 
     @staticmethod
     def sample(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> list[int | Exception]:
-        """Next token of each row (one device read); a row whose sampling fails alone gets its exception."""
+               generators: Sequence[torch.Generator | None], histories: Sequence[RowHistory]
+               ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Next token of each row and its log-probabilities when asked for; a row whose sampling
+        fails alone gets its exception."""
         if not logits:
             return []
         try:
-            return list(sample_batch(torch.stack(list(logits)), params, generators))
+            return _sample(torch.stack(list(logits)), params, generators, histories)
         except Exception as exc:  # noqa: BLE001
             if is_fatal(exc):
                 raise
-        outs: list[int | Exception] = []
-        for row, p, g in zip(logits, params, generators, strict=True):
+        outs: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for row, p, g, h in zip(logits, params, generators, histories, strict=True):
             try:
-                outs.append(sample_batch(row.unsqueeze(0), [p], [g])[0])
+                outs.extend(_sample(row.unsqueeze(0), [p], [g], [h]))
             except Exception as exc:  # noqa: BLE001
                 if is_fatal(exc):
                     raise
                 outs.append(exc)
         return outs
+
+
+def _sample(raw: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+            histories: Sequence[RowHistory]) -> list[tuple[int, TokenLogprob | None] | Exception]:
+    """Processors, sampling, and the raw distribution's log-probabilities of the chosen tokens."""
+    tokens = sample_batch(process(raw, params, histories), params, generators)
+    asked = [b for b, p in enumerate(params) if p.logprobs is not None]
+    found = dict(zip(asked, token_logprobs(raw[asked], [tokens[b] for b in asked],
+                                           [params[b].logprobs or 0 for b in asked]), strict=True)) if asked else {}
+    return [(t, found.get(b)) for b, t in enumerate(tokens)]

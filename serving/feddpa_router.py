@@ -16,17 +16,16 @@ every request draws from fresh entropy.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from routing.base import RoutingDecision
 from routing.cache import IndexCache
 from routing.feddpa import FedDPARouter
-from serving.targets import GLOBAL, LOCAL_SUFFIX
 
 
 @dataclass
@@ -37,28 +36,34 @@ class InstanceWeightRouter:
         router: the FedDPA decision rule (lambda, S, random or knn).
         cache: per-client embedding indexes of the served run.
         version: cache key part; bump it when the run is reloaded so no index is reused.
+        version_of: the current version of a client's local adapter (the pool's); a reload changes it,
+            so the client's index is read again with the adapter (None: ``version`` alone keys it).
     """
 
     router: FedDPARouter
     cache: IndexCache
     version: int = 0
+    version_of: Callable[[str], int | None] | None = None
     uses_state: bool = field(default=True, init=False)
 
     @classmethod
     def for_run(cls, run_dir: Path, lambda_: float, S: int = 5, mode: str = "random", seed: int | None = 0,
-                version: int = 0) -> InstanceWeightRouter:
+                version: int = 0, version_of: Callable[[str], int | None] | None = None) -> InstanceWeightRouter:
         """Build from a run directory's ``adapters/clients/<id>/embeddings.*`` files."""
         return cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed),  # type: ignore[arg-type]
-                   IndexCache.for_run(run_dir), version)
+                   IndexCache.for_run(run_dir), version, version_of)
 
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[Mapping[str, float], Mapping[str, Any]]:
+    def cache_key(self, client: str) -> str:
+        """The index cache's version key of ``client``: the router's version and its adapter's."""
+        adapter = self.version_of(client) if self.version_of is not None else None
+        return f"{self.version}" if adapter is None else f"{self.version}.{adapter}"
+
+    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision:
         if hidden_state is None:
             raise ValueError("instance-wise FedDPA weighting needs the prompt's hidden state")
         generator = None
         if self.router.mode == "random" and self.router.seed is not None:
             state = hidden_state.detach().float().cpu().contiguous().numpy().tobytes()
             generator = np.random.default_rng([self.router.seed, zlib.crc32(client.encode()), zlib.crc32(state)])
-        decision = self.router.decide(hidden_state, self.cache.get(client, self.version), generator)
-        w = dict(zip(decision.names, decision.weights.tolist(), strict=True))
-        weights = {GLOBAL: float(w["global"]), f"{client}{LOCAL_SUFFIX}": float(w["local"])}
-        return weights, {**dict(decision.info), "source": "instance"}
+        decision = self.router.decide(hidden_state, self.cache.get(client, self.cache_key(client)), generator, client)
+        return RoutingDecision(decision.names, decision.weights, {**dict(decision.info), "source": "instance"})

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from adapters import AdaptedModel
+from adapters import AdaptedModel, module_device
+from adapters.context import weight_matrix
 from serving.errors import InvalidRequest
 from serving.targets import TargetPlan
 
@@ -77,7 +78,8 @@ def generate(
     """
     if names and adapted is None:
         raise ValueError("adapter names were given but the model has no adapters injected")
-    w = _weights(names, weights, len(prompts))
+    device = module_device(model)
+    w = _weights(names, weights, len(prompts)).to(device)
     outputs: list[str] = []
     side = tokenizer.padding_side  # type: ignore[attr-defined]
     tokenizer.padding_side = "left"  # type: ignore[attr-defined]
@@ -85,6 +87,7 @@ def generate(
         for start in range(0, len(prompts), config.batch_size):
             batch = list(prompts[start:start + config.batch_size])
             enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)  # type: ignore[operator]
+            enc = {k: v.to(device) for k, v in enc.items()}  # the tokenizer gives CPU tensors
             kwargs = dict(
                 max_new_tokens=config.max_new_tokens,
                 num_beams=config.num_beams,
@@ -107,10 +110,15 @@ def generate(
 
 def _weights(names: Sequence[str], weights: object, n: int) -> torch.Tensor:
     if not names:
-        return torch.zeros(n, 0)
+        return torch.zeros(n, 0, device="cpu")  # validated on the host, moved by the caller
     if weights is None:
         raise ValueError(f"weights are required for adapters {list(names)}")
-    w = weights if isinstance(weights, torch.Tensor) else torch.tensor(weights, dtype=torch.float32)
+    if isinstance(weights, torch.Tensor):
+        w = weights
+    else:  # rows of weights over the same names: the one builder (adapters.context.weight_matrix)
+        rows = [list(r) for r in weights] if weights and isinstance(weights[0], Sequence) else [list(weights)]  # type: ignore[index, arg-type]
+        w = weight_matrix([(tuple(names), r) for r in rows])[1] if all(len(r) == len(names) for r in rows) \
+            else torch.tensor(rows, dtype=torch.float32)
     if w.dim() == 1:
         w = w.unsqueeze(0)
     if w.shape[0] == 1 and n != 1:
@@ -145,11 +153,14 @@ def plan_weights(stack: ServingStack, plan: TargetPlan, internal: Sequence[str],
     if plan.weight_fn is None:
         return [(tuple(plan.weights), dict(plan.info or {})) for _ in prompts]
     loaded = stack.loaded
-    first = torch.tensor([plan.prefill_weights if plan.prefill_weights is not None else plan.weights])  # (1, K)
+    device = loaded.device
+    first = torch.tensor([plan.prefill_weights if plan.prefill_weights is not None else plan.weights],
+                         device=device)  # (1, K)
     rows: list[tuple[tuple[float, ...], Mapping[str, Any]]] = []
     with torch.inference_mode(), stack.engine.model_lock:
         for prompt in prompts:
             ids = loaded.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+            ids = ids.to(device)
             with stack.adapted.context.use(tuple(internal), first), loaded.autocast():
                 out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)  # type: ignore[operator]
             weights, info = plan.weight_fn(out.hidden_states[-1][0, -1].float())  # state (H,)

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from serving.errors import AdapterNotFound, InvalidRequest
+from serving.logits import token_logprobs
 from serving.request import FinishReason, GenerationRequest, RequestHandle
 from serving.sampling import TextTracker, make_generator
 from serving.sequence import Sequence
 
 if TYPE_CHECKING:
     from serving.executor import RowOut
-    from serving.runner.inputs import RowAdapters
+    from serving.runner.inputs import PrefillRow, RowAdapters
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,6 @@ class Lifecycle:
     eos_ids: frozenset[int]
     device: torch.device
 
-    def _route(self, name: str) -> object: ...  # the engine's AMoLE route lookup
-
     def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters: ...
 
     def _encode(self, text: str) -> list[int]:
@@ -94,15 +93,21 @@ class Lifecycle:
             raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
         if any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        vocab_ids = [t for t, _ in request.sampling.logit_bias] + list(request.sampling.stop_token_ids)
+        if any(t >= self.vocab_size for t in vocab_ids):
+            raise InvalidRequest(f"logit_bias and stop_token_ids take token ids below the vocabulary size "
+                                 f"{self.vocab_size}", param="logit_bias")
         if len(ids) >= self.config.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens; this server allows {self.config.max_model_len} "
                 "tokens of prompt plus completion", param="messages")
         loaded = set(getattr(self.adapted, "configs", {}) or {})
-        missing = [n for n in request.adapter_names if n not in loaded and self._route(n) is None]
+        missing = [n for n in request.adapter_names if n not in loaded]
         if missing:
             raise AdapterNotFound(f"adapters {missing} are not loaded in the model")
-        route = self._amole_route(request)
+        route = request.route
+        if route is not None and any(n not in loaded for n in route.bundle.adapter_names):
+            raise AdapterNotFound(f"the AMoLE version {route.bundle.internal!r} is no longer loaded")
         params = request.sampling
         try:
             generator = make_generator(params, self.device)
@@ -115,16 +120,6 @@ class Lifecycle:
         if route is not None:
             seq.info = route.info()
         return seq
-
-    def _amole_route(self, request: GenerationRequest):  # noqa: ANN202 - AMoLEClientRoute | None
-        """The request's AMoLE route, or None; an AMoLE route must be the only adapter, at weight 1."""
-        routes = [r for r in map(self._route, request.adapter_names) if r is not None]
-        if not routes:
-            return None
-        if len(request.adapter_names) != 1 or tuple(request.adapter_weights) != (1.0,) or request.weight_fn:
-            raise InvalidRequest("an AMoLE client routes every token itself: request it alone, at weight 1, "
-                                 "without a weight_fn", param="adapters")
-        return routes[0]
 
     def begin_prefill(self, seq: Sequence) -> None:
         """Enter the first prefill phase (``route`` for a routed request, else ``fill``)."""
@@ -162,11 +157,19 @@ class Lifecycle:
         seq.phase = "decode"
         return True
 
+    def record_prompt_logprobs(self, seq: Sequence, row: PrefillRow, logits: torch.Tensor) -> None:
+        """Prompt tokens' log-probabilities from a chunk's (n, V) logits: position p predicts token p + 1."""
+        if row.start == 0:
+            seq.prompt_logprobs = [None]  # nothing predicts the first token (a re-prefill starts over)
+        k = int(seq.handle.request.sampling.prompt_logprobs or 0)
+        nxt = [seq.ids[p + 1] for p in range(row.start, row.end) if p + 1 < len(seq.ids)]  # the last: a completion's
+        seq.prompt_logprobs += token_logprobs(logits[: len(nxt)], nxt, [k] * len(nxt))
+
     def advance(self, seq: Sequence, token: int) -> FinishReason | None:
         """Record one generated token, stream its text, and say whether the sequence is finished."""
         params = seq.handle.request.sampling
         seq.output.append(token)
-        if token in self.eos_ids and not params.ignore_eos:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.handle.push(seq.tracker.flush())
             return "stop"
         delta, stopped = seq.tracker.push(token)

@@ -2,7 +2,7 @@
 
 A :class:`GenerationRequest` names its adapters (the engine-internal, versioned names an
 :class:`~serving.adapter_pool.AdapterPool` lease gives out) and their weights ``(K,)``: one row of the
-per-row weight matrix of DESIGN.md's one contract. FedDPA instance weighting (paper 000 section 4.3)
+per-row weight matrix of the one contract (ARCHITECTURE.md). FedDPA instance weighting (paper 000 section 4.3)
 plugs in through ``weight_fn``: the engine hands it the prompt's final-layer last-token state, taken
 during prefill, and decodes with the weights it returns.
 
@@ -18,11 +18,15 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from serving.logits import TokenLogprob
 from serving.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from serving.amole_router import AMoLEClientRoute
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -47,6 +51,8 @@ class GenerationRequest:
         prefill_weights: (K,) weights of the prefill when ``weight_fn`` is set.
         exact_prefill: with ``weight_fn``, run the prefill a second time with the routed weights so
             the prompt's KV cache and the first token use them too (2x prefill cost, exact FedDPA).
+        route: an AMoLE client's route (what a pool lease hands out, paper 002 section 4.2): every
+            token is routed over that client's experts; no plain adapters and no ``weight_fn`` then.
     """
 
     prompt: str | None = None
@@ -58,6 +64,7 @@ class GenerationRequest:
     weight_fn: WeightFn | None = field(default=None, compare=False)
     prefill_weights: tuple[float, ...] | None = None
     exact_prefill: bool = False
+    route: AMoLEClientRoute | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_ids is None:
@@ -73,6 +80,8 @@ class GenerationRequest:
             raise ValueError(f"adapter names must be unique, got {self.adapter_names}")
         if self.prefill_weights is not None and len(self.prefill_weights) != len(self.adapter_names):
             raise ValueError("prefill_weights must have one weight per adapter name")
+        if self.route is not None and (self.adapter_names or self.weight_fn is not None):
+            raise ValueError("an AMoLE route routes every token itself: no adapter names or weight_fn beside it")
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,8 @@ class GenerationResult:
         error: the message when ``finish_reason`` is ``error``.
         error_status: with an error, the HTTP-neutral status: 400 the request caused it, 500 the
             server failed (the message names the request id), 504 the server's deadline passed.
+        logprobs: per generated token, its log-probability and top alternatives (when asked for).
+        prompt_logprobs: per prompt token likewise, None for the first (nothing predicts it).
     """
 
     request_id: str
@@ -105,6 +116,8 @@ class GenerationResult:
     route_info: Mapping[str, Any] = field(default_factory=dict)
     error: str | None = None
     error_status: int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class RequestHandle:

@@ -22,6 +22,7 @@ GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # top log-probabilities per position (OpenAI's chat limit)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,16 @@ class SamplingParams:
             and what follows are trimmed.
         seed: seeds the request's generator (a 64-bit integer); None draws a fresh seed.
         ignore_eos: keep decoding past the end-of-sequence token (benchmarks).
+        logprobs: report each generated token's log-probability and its this many most likely
+            alternatives (0: the token's only; None: nothing); at most 20.
+        prompt_logprobs: likewise for every prompt token (the completions API's ``echo``).
+        presence_penalty: subtracted once from every generated token's logit (OpenAI), in [-2, 2].
+        frequency_penalty: subtracted per occurrence of every generated token (OpenAI), in [-2, 2].
+        repetition_penalty: > 0; divides positive and multiplies negative logits of every prompt
+            or generated token (1 disables it).
+        logit_bias: (token id, bias in [-100, 100]) pairs added to the logits (OpenAI).
+        min_tokens: end-of-sequence and ``stop_token_ids`` are impossible before this many tokens.
+        stop_token_ids: token ids that end the completion (the token is kept in ``token_ids``).
     """
 
     max_tokens: int = 16
@@ -46,6 +57,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -63,6 +82,26 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, int | float) or not math.isfinite(self.repetition_penalty) \
+                or not 0 < self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}")
+        bad_bias = [pair for pair in self.logit_bias if len(pair) != 2 or not isinstance(pair[0], int)
+                    or pair[0] < 0 or not isinstance(pair[1], int | float) or not -100 <= pair[1] <= 100]
+        if bad_bias or len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias maps distinct token ids >= 0 to biases in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 from adapters import AdapterError
 from serving.amole_router import AMoLEClientRoute, usage_report
 from serving.errors import InvalidRequest
+from serving.logits import TokenLogprob
 from serving.request import FinishReason, GenerationResult, RequestHandle
 from serving.runner.inputs import RowAdapters
 from serving.sampling import TextTracker
@@ -45,6 +46,8 @@ class Sequence:
     amole: AMoLEClientRoute | None = None
     usage: torch.Tensor | None = None  # (bundle layers, num_experts) top-k selections so far
     layer_idx: torch.Tensor | None = None  # the bundle's layers among the engine's layer paths
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -90,7 +93,9 @@ def result(seq: Sequence, reason: FinishReason, error: str | None = None, status
         request_id=req.request_id, text=text, token_ids=tuple(seq.output), finish_reason=reason,
         prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output), adapter_names=req.adapter_names,
         adapter_weights=seq.weights or tuple(req.adapter_weights), route_info=seq.info, error=error,
-        error_status=status)
+        error_status=status,
+        logprobs=tuple(seq.logprobs) if req.sampling.logprobs is not None else None,
+        prompt_logprobs=tuple(seq.prompt_logprobs) if req.sampling.prompt_logprobs is not None else None)
 
 
 def failed(seq: Sequence, exc: BaseException) -> GenerationResult:

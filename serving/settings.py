@@ -1,15 +1,20 @@
 """Server settings (pydantic-settings): the one edge where the environment and CLI become typed config.
 
-Every field can come from an environment variable ``FEDMOSAIC_SERVE_<FIELD>`` (lists as JSON), from
-``fedmosaic serve`` options, or from code (``ServeSettings(model="tiny")``).
+Every field can come from an environment variable ``FEDMOSAIC_SERVE_<FIELD>`` (lists as JSON; keys also
+comma-separated), from ``fedmosaic serve`` options (only those given: an option left out never
+overrides the environment), or from code (``ServeSettings(model="tiny")``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+Keys = Annotated[list[str], NoDecode]  # from the environment: a JSON list or comma-separated
 
 
 class ServeSettings(BaseSettings):
@@ -19,7 +24,10 @@ class ServeSettings(BaseSettings):
 
     model: str = Field("smollm2", description="base model: smollm2, tiny, or an HF model folder")
     served_model_name: str | None = Field(None, description="name of the base model in the API (default: model)")
-    dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE)")
+    dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE, "
+                                                "else bfloat16 on CUDA and autocast-bf16 on the CPU)")
+    device: str | None = Field(None, pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                               description="auto, cpu, cuda or cuda:N (default: FEDMOSAIC_DEVICE, else auto)")
     run_dir: Path | None = Field(None, description="a training run directory to serve (global + clients)")
     adapters: list[str] = Field(default_factory=list, description="extra adapters as name=folder")
     adapter_root: Path | None = Field(None, description="adapter folders must lie inside it (default: run dir)")
@@ -36,9 +44,22 @@ class ServeSettings(BaseSettings):
                                          "a supervisor restarts the server")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(128, ge=1)
+    max_choices: int = Field(64, ge=1, description="choices one request may ask for (prompts x n)")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body (413 beyond)")
-    api_keys: list[str] = Field(default_factory=list, description="bearer keys for /v1/*; empty: no auth")
-    allow_runtime_lora: bool = Field(True, description="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    api_keys: Keys = Field(default_factory=list, description="user bearer keys (inference, /v1/models); with no "
+                           "key of any kind the server is open")
+    admin_keys: Keys = Field(default_factory=list, description="admin bearer keys (also adapter load/unload, run "
+                             "files, protected metrics, FedDPA routing details)")
+    api_key_file: Path | None = Field(None, description="user keys, one per line ('#' comments)")
+    admin_key_file: Path | None = Field(None, description="admin keys, one per line ('#' comments)")
+    key_bindings: Path | None = Field(None, description="JSON file binding user keys to the targets they may use "
+                                      "(serving.access)")
+    allow_runtime_lora: bool | None = Field(None, description="enable /v1/load_lora_adapter and /v1/unload_lora_adapter"
+                                            " (null: on exactly when an admin key is configured)")
+    routing_details: Literal["admin", "all", "none"] = Field(
+        "admin", description="who sees FedDPA routing details (similarities, S, lambda) in responses; everyone "
+        "else gets the mode and the weights")
+    protect_metrics: bool = Field(False, description="/metrics needs an admin key (when admin keys are configured)")
     default_alpha: float = Field(0.5, ge=0, le=1, description="FedDPA local weight without run.json or router")
     feddpa_routing: str = Field(
         "instance", pattern="^(instance|fixed)$",
@@ -49,3 +70,14 @@ class ServeSettings(BaseSettings):
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+
+    @field_validator("api_keys", "admin_keys", mode="before")
+    @classmethod
+    def _key_list(cls, value: Any) -> Any:
+        """Accept a JSON list or a comma-separated string (the environment's two usual spellings)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [k.strip() for k in text.split(",") if k.strip()]
+        return value

@@ -3,7 +3,7 @@
 The HTTP app (:mod:`serving.api`), the batch runner (:mod:`serving.batch`), the batch evaluator
 (``fedmosaic eval``) and the benchmarks all build this one stack and ask for *served targets* by name
 (the base model, ``global``, ``<client>`` personalised, ``<client>:local``, any loaded adapter;
-DESIGN.md, Serving). What a name means is decided in one place, :class:`serving.targets.TargetResolver`
+README, Serving). What a name means is decided in one place, :class:`serving.targets.TargetResolver`
 (FedDPA's instance-wise weighting of paper 000 section 4.3 for ``<client>`` when the run has its
 embedding index), and a resolved plan becomes an engine request in one place, :func:`request_for`, so
 a new kind of target (AMoLE routing, paper 002) reaches every caller at once.
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from adapters import AdaptedModel, inject
-from fedmosaic.models import LoadedModel, load_base_model
+from models import LoadedModel, load_base_model
+from routing.base import local_name
 from serving.adapter_pool import AdapterPool, Lease, RunInfo
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
@@ -41,6 +42,7 @@ class StackConfig:
         model: base model: ``smollm2``, ``tiny``, or an HF model folder.
         served_model_name: the base model's target name (default: ``model``).
         dtype: ``float32``, ``bfloat16`` or ``autocast-bf16`` (None: the setting's default).
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (None: ``FEDMOSAIC_DEVICE``, default auto).
         run_dir: a training run directory to serve (``global`` and every ``<client>:local``).
         adapters: extra adapters as ``name=folder``.
         adapter_root: adapter folders must resolve inside it (default: the run directory, else the
@@ -59,6 +61,7 @@ class StackConfig:
     model: str = "smollm2"
     served_model_name: str | None = None
     dtype: str | None = None
+    device: str | None = None
     run_dir: Path | None = None
     adapters: tuple[str, ...] = ()
     adapter_root: Path | None = None
@@ -131,16 +134,22 @@ class Outcome:
         """The adapter weights the decode used, keyed by the plan's (pool) adapter names."""
         if self.plan is None or self.result is None or not self.plan.names:
             return {}
+        if self.plan.mode == "amole":  # the client at weight 1: its experts are weighted per token inside
+            return dict(zip(self.plan.names, self.plan.weights, strict=True))
         return dict(zip(self.plan.names, self.result.adapter_weights, strict=True))
 
 
-def request_for(plan: TargetPlan, adapter_names: Sequence[str], job: Job, request_id: str | None = None
+def request_for(plan: TargetPlan, lease: Lease | None, job: Job, request_id: str | None = None
                 ) -> GenerationRequest:
-    """The engine request serving ``plan`` for ``job`` (``adapter_names``: the lease's internal names)."""
+    """The engine request serving ``plan`` for ``job`` with the versions ``lease`` holds."""
     extra: dict[str, Any] = {"request_id": request_id} if request_id is not None else {}
+    if lease is not None and lease.route is not None:  # an AMoLE client: its route, no plain adapters
+        return GenerationRequest(prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
+                                 route=lease.route, **extra)
     return GenerationRequest(
-        prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling, adapter_names=tuple(adapter_names),
-        adapter_weights=plan.weights, weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights,
+        prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
+        adapter_names=lease.names if lease is not None else (), adapter_weights=plan.weights,
+        weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights,
         exact_prefill=job.exact_prefill and plan.weight_fn is not None, **extra)
 
 
@@ -179,7 +188,7 @@ class ServingStack:
         plan = self.plan(job.target, job.mixture)
         lease = self.lease(plan)
         try:
-            handle = self.engine.submit(request_for(plan, lease.names if lease else (), job, request_id))
+            handle = self.engine.submit(request_for(plan, lease, job, request_id))
         except Exception:
             if lease is not None:
                 lease.release()
@@ -235,7 +244,8 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
             embeddings when ``feddpa_routing`` is ``instance`` and they exist, else the fixed weight).
         loaded: an already-loaded base model to use instead of loading ``config.model``.
     """
-    loaded = loaded if loaded is not None else load_base_model(config.model, dtype=config.dtype)  # type: ignore[arg-type]
+    loaded = loaded if loaded is not None else load_base_model(
+        config.model, dtype=config.dtype, device=config.device)  # type: ignore[arg-type]
     adapted = inject(loaded.model, config.target_modules)
     engine = Engine(loaded, adapted, config.engine)
     specs = [(name, Path(path)) for name, _, path in (spec.partition("=") for spec in config.adapters)]
@@ -258,7 +268,8 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
         from serving.feddpa_router import InstanceWeightRouter
 
         router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, S=config.feddpa_samples,
-                                              mode=config.feddpa_mode)
+                                              mode=config.feddpa_mode,
+                                              version_of=lambda client: pool.version(local_name(client)))
         routing = "instance"
     if run is not None and config.feddpa_routing == "instance" and routing == "fixed" and run.global_name:
         logger.info("run %s has no embedding index: <client> targets use the fixed weight %.3f", run.root, alpha)

@@ -16,55 +16,23 @@ Names a request can use (the OpenAI ``model`` field):
 * an explicit mixture ``[(name, weight), ...]`` (the HTTP ``adapters`` extension field) overrides all;
   it mixes plain adapters only (AMoLE clients weight their experts per token themselves).
 
-The router protocol is the seam to ``routing/`` (another package): any callable
-``(client, hidden_state) -> (weights by adapter name, info)`` plugs in.
+The router protocol is ``routing``'s :class:`~routing.base.WeightRouter` (the one contract): any
+callable ``(client, hidden_state) -> RoutingDecision`` over served adapter names plugs in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from routing.base import GLOBAL, LOCAL_SUFFIX, RoutingDecision, WeightRouter, local_name
+from routing.static import FixedWeightRouter
 from serving.adapter_pool import AdapterPool
 from serving.errors import InvalidRequest, ModelNotFound
 from serving.request import WeightFn
-
-GLOBAL = "global"
-LOCAL_SUFFIX = ":local"
-
-
-class WeightRouter(Protocol):
-    """Instance-wise adapter weights for one client's request.
-
-    Attributes:
-        uses_state: True when the router reads ``hidden_state`` (the engine then captures it at
-            prefill); False for fixed weights (no capture, ``hidden_state`` is None).
-    """
-
-    uses_state: bool
-
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[Mapping[str, float], Mapping[str, Any]]:
-        """Return weights keyed by adapter pool name, and info reported in the response."""
-        ...
-
-
-@dataclass(frozen=True)
-class FixedWeightRouter:
-    """The fallback: a fixed local weight ``alpha`` for every request (FedDPA's ``inference_weight``)."""
-
-    alpha: float
-    uses_state: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[Mapping[str, float], Mapping[str, Any]]:
-        weights = {GLOBAL: 1.0 - self.alpha, f"{client}{LOCAL_SUFFIX}": self.alpha}
-        return weights, {"alpha": self.alpha, "source": "fixed"}
 
 
 @dataclass(frozen=True)
@@ -158,7 +126,7 @@ class TargetResolver:
             InvalidRequest: the mixture repeats an adapter.
         """
         if not self.serves(model):
-            raise ModelNotFound(f"the model {model!r} does not exist; available: {self.models()}")
+            raise ModelNotFound(f"the model {model!r} does not exist (GET /v1/models lists what this key may use)")
         if mixture:
             names = tuple(n for n, _ in mixture)
             if len(set(names)) != len(names):
@@ -181,15 +149,23 @@ class TargetResolver:
         return self._feddpa(model)
 
     def _feddpa(self, client: str) -> TargetPlan:
-        names = (GLOBAL, f"{client}{LOCAL_SUFFIX}")
+        names = (GLOBAL, local_name(client))
         router = self.router
         if not router.uses_state:
-            weights, info = router(client, None)
-            return TargetPlan("feddpa", names, tuple(float(weights.get(n, 0.0)) for n in names), info=dict(info),
-                              client=client)
+            decision = router(client, None)
+            return TargetPlan("feddpa", names, _weights_for(names, decision), info=dict(decision.info), client=client)
 
         def route(state: torch.Tensor) -> tuple[tuple[float, ...], Mapping[str, Any]]:
-            weights, info = router(client, state)
-            return tuple(float(weights.get(n, 0.0)) for n in names), info
+            decision = router(client, state)
+            return _weights_for(names, decision), decision.info
 
         return TargetPlan("feddpa", names, (1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route, client=client)
+
+
+def _weights_for(names: Sequence[str], decision: RoutingDecision) -> tuple[float, ...]:
+    """The decision's weights in the order of ``names`` (0 for a name it does not give)."""
+    given = dict(zip(decision.names, decision.weights.tolist(), strict=True))
+    return tuple(float(given.get(n, 0.0)) for n in names)
+
+
+__all__ = ["GLOBAL", "LOCAL_SUFFIX", "FixedWeightRouter", "TargetPlan", "TargetResolver", "WeightRouter"]

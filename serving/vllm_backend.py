@@ -2,7 +2,7 @@
 
 vLLM applies exactly one LoRA per request (anchors/serving.md sections 0 and 6), so FedDPA's
 ``(1 - a) B_g A_g + a B_l A_l`` cannot be mixed per request there. It is, exactly, one LoRA of rank
-``r_g + r_l`` (DESIGN.md, "The one contract"; :mod:`adapters.export`), so each client is served at
+``r_g + r_l`` (:mod:`adapters.export`), so each client is served at
 ``levels`` quantised values of ``a`` (11 by default: 0, 0.1, ..., 1): the request's ``a`` (the run's
 fixed weight, or the instance-wise weight of paper 000 section 4.3, computed by a prefill of the
 prompt on the PyTorch model) rounds to the nearest level, and that (client, level) pair is one
@@ -31,6 +31,7 @@ from serving.adapter_pool import RunInfo
 from serving.errors import InvalidRequest, ServingError
 from serving.generation import plan_weights
 from serving.request import GenerationResult
+from serving.sampling import SamplingParams
 from serving.stack import Job, Outcome, ServingStack
 from serving.targets import GLOBAL, LOCAL_SUFFIX, TargetPlan
 
@@ -166,6 +167,15 @@ def vllm_rank(rank: int) -> int:
     raise BackendUnsupported(f"adapter rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_RANKS[-1]}")
 
 
+def unsupported_sampling(params: SamplingParams) -> str | None:
+    """The first parameter of ``params`` this backend cannot honour (log-probabilities), or None."""
+    if params.logprobs is not None:
+        return "logprobs"
+    if params.prompt_logprobs is not None:
+        return "prompt_logprobs"
+    return None
+
+
 class VLLMBackend:
     """An executor (``run(jobs) -> outcomes``) generating with ``vllm.LLM``; see the module docstring.
 
@@ -189,7 +199,7 @@ class VLLMBackend:
             raise BackendUnavailable("the vLLM backend needs the vllm package (pip install 'fedmosaic[gpu]')")
         import vllm
 
-        from fedmosaic.models import resolve_model_path
+        from models import resolve_model_path
 
         self.stack, self.chunk, self._vllm = stack, chunk, vllm
         self.levels = LevelExporter(stack, export_dir, levels)
@@ -230,7 +240,11 @@ class VLLMBackend:
         s = job.sampling
         return self._vllm.SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
                                          max_tokens=s.max_tokens, stop=list(s.stop), seed=s.seed,
-                                         ignore_eos=s.ignore_eos)
+                                         ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
+                                         frequency_penalty=s.frequency_penalty,
+                                         repetition_penalty=s.repetition_penalty,
+                                         logit_bias=dict(s.logit_bias) or None, min_tokens=s.min_tokens,
+                                         stop_token_ids=list(s.stop_token_ids) or None)
 
     def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]:
         """Generate ``jobs`` in chunks (vLLM batches each chunk continuously); yield each outcome."""
@@ -249,9 +263,14 @@ class VLLMBackend:
             if job.prompt is None:
                 yield Outcome(job, None, None, InvalidRequest("the vLLM backend takes text prompts", param="prompt"))
                 continue
+            refused = unsupported_sampling(job.sampling)
+            if refused is not None:
+                yield Outcome(job, None, None, InvalidRequest(
+                    f"the vLLM batch backend does not return {refused}; use --backend torch", param=refused))
+                continue
             try:
                 ready.append((job, *self._prepare(job)))
-            except Exception as exc:  # noqa: BLE001 - reported per job
+            except Exception as exc:  # reported per job
                 yield Outcome(job, None, None, exc)
         if not ready:
             return

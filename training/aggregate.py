@@ -41,7 +41,7 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
     out: StateDict = {}
     for key in states[0]:
         ref = states[0][key]
-        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        acc = torch.zeros(ref.shape, dtype=torch.float64, device="cpu")  # the server's state lives on the CPU
         for s, w in zip(states, weights, strict=True):
             if s[key].shape != ref.shape:
                 raise ValueError(f"{key}: shape {tuple(s[key].shape)} differs from {tuple(ref.shape)}")

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from fedmosaic import settings
+from models import settings
 
 
 def _value(text: str) -> Any:
@@ -36,7 +36,9 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--timeout", type=float, default=None, help="soft per-client time limit in seconds")
     p.add_argument("--keep-strategy", type=int, default=1,
                    help="newest complete rounds that keep the strategy's resume tensors (0: every round)")
-    p.add_argument("--dtype", choices=settings.DTYPES, default=None)
+    p.add_argument("--dtype", choices=settings.DTYPES, default=None,
+                   help="default: FEDMOSAIC_DTYPE, else bfloat16 on CUDA and autocast-bf16 on the CPU")
+    p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     for name, kind in (("lr", float), ("batch-size", int), ("micro-batch-size", int), ("local-epochs", int),
                        ("max-steps", int), ("cutoff-len", int)):
         p.add_argument(f"--{name}", type=kind, default=None, help="overrides the preset")
@@ -50,7 +52,7 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 def run_train(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic train``."""
-    from fedmosaic.models import load_base_model
+    from models import load_base_model
     from training.data import load_dataset
     from training.runtime import preset
     from training.simulation import SimConfig, run_federated
@@ -69,7 +71,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.families:
             data_options["families"] = args.families.split(",")
     dataset = load_dataset(args.data, **data_options)
-    loaded = load_base_model(args.model, dtype=args.dtype)
+    loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)
     train = preset(args.preset, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                    local_epochs=args.local_epochs, max_steps=args.max_steps, cutoff_len=args.cutoff_len)
     sim = SimConfig(rounds=args.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,

@@ -1,19 +1,15 @@
 """The Flower bridge: any registered method as a Flower ServerApp / ClientApp (flwr 1.41, Message API).
 
-The server runs the simulator's round loop itself (Flower's "write the loop yourself" option,
-anchors/federated.md 2.2), so every method fits unchanged:
+The ServerApp runs the one round loop (:mod:`training.rounds`) with the Grid transport of
+:mod:`training.flower_transport` (Flower's "write the loop yourself" option, anchors/federated.md 2.2),
+so every method fits unchanged and a Flower run's directory matches the simulator's: the clients are
+selected as the simulator selects them, each node gets one ``train`` message per round with ITS
+instructions (wire format: :mod:`training.flower_messages`), and the checkpoints, metrics rows and final
+adapters are the loop's.
 
-1. once per run, a ``query.identify`` message to every node: each answers with its ``partition-id``
-   and the data set client it serves, giving the node -> client map;
-2. each round, the clients are selected as the simulator selects them, the method's
-   ``strategy.configure_round`` gives each its own FitIns, and each node gets one ``train`` message
-   with ITS instructions (state as an ``ArrayRecord``, config as a ``ConfigRecord``, see
-   :mod:`training.flower_messages`); replies become FitRes, an error reply or a missing one is logged
-   and left out, then ``aggregate``, ``evaluate``, the round checkpoint (with ``strategy.state_dict()``)
-   and the metrics rows, as in :mod:`training.simulation`;
-3. at the end, the method's ``export`` when it has one (FedAMoLE: experts, token projections,
-   assignments), else a ``train.finalize`` message for methods with a local adapter, then the PEFT
-   folders.
+The ClientApp here is each node's half: it answers ``query.identify`` with the data set client it serves
+(its ``partition-id``), runs the method's client ``fit`` on ``train`` and its ``finalize`` on
+``train.finalize`` (FedDPA's nodes then embed their own instances for the serving router).
 
 FedAMoLE needs no separate embedding phase: as in the reference loop (METHODS.md 1.6), clients embed
 their embedding set right after local training and upload the embeddings with the round's weights;
@@ -28,9 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
-import shutil
-import time
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,23 +34,15 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import load_file, save_file
 
-from adapters import write_adapter_folder
 from adapters.rundir import RunDir
+from models import settings
 from training.algorithms import get_method
-from training.checkpoint import prune_strategy_state, save_round
-from training.flower_messages import (
-    FINALIZE,
-    exchange,
-    identify_nodes,
-    identity_content,
-    read_fit_content,
-    reply_content,
-)
-from training.protocol import ClientContext, FitIns, FitRes, StateDict, state_bytes
+from training.flower_messages import identity_content, read_fit_content, reply_content
+from training.flower_transport import FlowerTransport
+from training.personalize import finish_client
+from training.protocol import ClientContext, FitRes, StateDict
+from training.rounds import RoundConfig, RunPlan, run_record, run_rounds
 from training.runtime import Runtime, TrainConfig, preset
-from training.simulation import RunSummary, SimConfig, save_instance_index, select_clients
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,6 +65,9 @@ class FlowerConfig:
         keep_strategy: newest complete rounds that keep their strategy tensors (0: every round).
         clients_per_task: split every task's data into this many clients (paper 000 A.1's 40-client study).
         sample_rate: per-task client sampling each round instead of ``fraction`` (as the simulator's).
+        device: where the base model runs: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; empty (the
+            default) lets each process decide by its own ``FEDMOSAIC_DEVICE`` (default ``auto``), since
+            the server and every SuperNode may sit on different hardware.
     """
 
     method: str = "feddpa-t"
@@ -96,6 +85,17 @@ class FlowerConfig:
     keep_strategy: int = 1
     clients_per_task: int = 1
     sample_rate: float | None = None
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        self.round_config()  # the loop's own checks (rounds, fraction, keep_strategy)
+        if self.device:
+            settings.check_device_spec(self.device, "the Flower run config's device")
+
+    def round_config(self) -> RoundConfig:
+        """The round loop's part of these settings (the simulator's client selection)."""
+        return RoundConfig(rounds=self.rounds, fraction=self.fraction, sample_rate=self.sample_rate, seed=self.seed,
+                           keep_strategy=self.keep_strategy)
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FlowerConfig:
@@ -110,12 +110,12 @@ class FlowerConfig:
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(model: str, preset_name: str) -> Runtime:
+def _runtime(model: str, preset_name: str, device: str = "") -> Runtime:
     # One base model per node process: Ray actors are reused across rounds in simulation (federated.md 2.3).
     # Clients load every tensor they train from the message, so the cached adapters never leak into a fit.
-    from fedmosaic.models import load_base_model
+    from models import load_base_model
 
-    return Runtime(load_base_model(model), preset(preset_name))
+    return Runtime(load_base_model(model, device=device or None), preset(preset_name))
 
 
 @functools.lru_cache(maxsize=2)
@@ -153,16 +153,13 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         addressed, ins = read_fit_content(msg.content)
         if addressed != client.client_id:
             raise ValueError(f"this node serves client {client.client_id!r}, the server addressed {addressed!r}")
-        rt = _runtime(cfg.model, cfg.preset)
-        mirror = Path(cfg.client_dir or Path(cfg.out) / "flower-clients") / client.client_id
+        rt = _runtime(cfg.model, cfg.preset, cfg.device)
+        mirror = _client_dir(cfg) / client.client_id
         m = get_method(cfg.method)
         opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
         ctx = ClientContext(client.client_id, client, rt, _load_private(context, mirror), cfg.seed)
-        if finalize:
-            m.client(opts).finalize(ins.state, ctx)
-            if m.instance_weighting and ins.state:  # the router's index is built where the instances live
-                rt.set("global", ins.state)
-                save_instance_index(rt, client, mirror)
+        if finalize:  # the router's index is built where the instances live
+            finish_client(m, m.client(opts), ins.state, ctx, mirror)
             res = FitRes(client.client_id, {}, len(client.train), {})
         else:
             res = m.client(opts).fit(ins, ctx)
@@ -196,7 +193,7 @@ def _store_private(context: Context, mirror: Path, private: dict[str, StateDict]
 
 
 def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
-    """A ServerApp running the method's server half in the simulator's round loop."""
+    """A ServerApp running the method's server half in the round loop (:mod:`training.rounds`)."""
     app = ServerApp()
 
     @app.main()
@@ -210,92 +207,36 @@ def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
 
 
 def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
-    from fedmosaic.models import load_base_model
+    from models import load_base_model
 
-    t0 = time.perf_counter()
     m = get_method(cfg.method)
     if m.centralized:
         raise ValueError(f"{m.name} pools every client's data in one trainer; run it in the simulator")
-    if run.run_json.is_file():
-        raise FileExistsError(f"{run.root} already holds a run; pick another out directory")
     opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
-    dataset = _dataset(cfg)
-    sim = SimConfig(rounds=cfg.rounds, fraction=cfg.fraction, sample_rate=cfg.sample_rate, seed=cfg.seed,
-                    embed=False)
-    rt = Runtime(load_base_model(cfg.model), preset(cfg.preset))  # fresh: the strategy's initial state
-    strategy = m.strategy(opts)
-    state = strategy.initial_state(rt)
-    run.run_json.write_text(json.dumps({
-        "method": m.name, "data": cfg.data, "data_options": cfg.data_options, "model": cfg.model, "seed": cfg.seed,
-        "rounds": cfg.rounds, "fraction": cfg.fraction, "sample_rate": cfg.sample_rate,
-        "clients_per_task": cfg.clients_per_task, "options": opts,
-        "train": rt.train.asdict(), "inference_weight": m.mixture_weight(opts) or 0.0, "runtime": "flower",
-        "flower": asdict(cfg)}, indent=2))
-    nodes = identify_nodes(grid, cfg.timeout)
-    losses: list[float] = []
-    up = down = 0
-    failures_all: list[tuple[int, str, str]] = []
-    for r in range(cfg.rounds):
-        began = time.perf_counter()
-        selected = select_clients(dataset, sim, r)
-        present = [c for c in selected if c in nodes]
-        instructions = strategy.configure_round(r, present, state)
-        results, failures = exchange(grid, {c: (nodes[c], instructions[c]) for c in present}, cfg.timeout)
-        failures += [(c, "no connected node serves this client") for c in selected if c not in nodes]
-        for cid, error in failures:
-            logger.warning("flower round %d: client %s left out: %s", r, cid, error)
-            _log(run, {"round": r, "client": cid, "status": "failed", "error": error})
-        round_up = sum(res.bytes for res in results)
-        round_down = sum(state_bytes(instructions[res.client_id].state) for res in results)
-        for res in results:
-            _log(run, {"round": r, "client": res.client_id, "status": "ok", "num_examples": res.num_examples,
-                       "bytes_down": state_bytes(instructions[res.client_id].state), "bytes_up": res.bytes,
-                       **res.metrics})
-        new = strategy.aggregate(r, results, failures, state)
-        state = new if new is not None else state
-        server_metrics = strategy.evaluate(r, state) or {}
-        losses.append(sum(x.metrics.get("loss", 0.0) for x in results) / max(1, len(results)))
-        up, down, failures_all = up + round_up, down + round_down, failures_all + [(r, c, e) for c, e in failures]
-        save_round(run, r, state, strategy.state_dict(), {}, rt.train.lora, rt.adapted.base_model_name,
-                   peft_global=m.export is None)
-        prune_strategy_state(run, cfg.keep_strategy)
-        _log(run, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures),
-                   "loss": losses[-1], "bytes_up": round_up, "bytes_down": round_down,
-                   "seconds": round(time.perf_counter() - began, 3), **server_metrics})
-        logger.info("flower round %d: %d results, %d failures", r, len(results), len(failures))
-    if m.export is not None:
-        m.export(run, rt, state, strategy)
-    else:
-        _finish(grid, cfg, run, m.has_local, nodes, state, rt)
-    summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
-                         round(time.perf_counter() - t0, 2))
-    (run.root / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    rounds = cfg.round_config()
+    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset))  # the initial state
+    config = run_record(m, opts, rounds, rt.train, data=cfg.data, data_options=cfg.data_options, model=cfg.model,
+                        clients_per_task=cfg.clients_per_task, device=str(rt.device), runtime="flower",
+                        flower=asdict(cfg))
+    transport = FlowerTransport(grid, cfg.timeout, m.has_local, _client_dir(cfg), rt.train.lora,
+                                rt.adapted.base_model_name)
+    run_rounds(RunPlan(m, opts, _dataset(cfg), rt, run, rounds, config), transport)
 
 
-def _finish(grid: Grid, cfg: FlowerConfig, run: RunDir, has_local: bool, nodes: dict[str, int], state: StateDict,
-            rt: Runtime) -> None:
-    """Personalize (``train.finalize``) where clients keep a local adapter, then write the PEFT folders."""
-    if has_local:
-        _, failed = exchange(grid, {c: (nid, FitIns(cfg.rounds, state)) for c, nid in nodes.items()}, cfg.timeout,
-                              FINALIZE)
-        for cid, error in failed:
-            logger.warning("client %s did not finalize: %s", cid, error)
-    if state:
-        write_adapter_folder(run.global_adapter, rt.train.lora, state, rt.adapted.base_model_name)
-    mirror = Path(cfg.client_dir or run.root / "flower-clients")
-    for cdir in sorted(mirror.iterdir()) if mirror.is_dir() else []:
-        local = cdir / "local.safetensors"
-        if local.is_file():
-            write_adapter_folder(run.local_adapter(cdir.name), rt.train.lora, load_file(str(local)),
-                                 rt.adapted.base_model_name)
-        for index_file in sorted(cdir.glob("embeddings.*")):  # FedDPA's instance index, beside the adapter
-            run.client_dir(cdir.name).mkdir(parents=True, exist_ok=True)
-            shutil.copy2(index_file, run.client_dir(cdir.name) / index_file.name)
+def _client_dir(cfg: FlowerConfig) -> Path:
+    """Where the nodes mirror their private state (default ``<out>/flower-clients``)."""
+    return Path(cfg.client_dir or Path(cfg.out) / "flower-clients")
 
 
-def _log(run: RunDir, row: dict[str, Any]) -> None:
-    with run.metrics.open("a") as fh:
-        fh.write(json.dumps(row) + "\n")
+def client_resources(config: FlowerConfig, num_clients: int) -> dict[str, float]:
+    """Ray resources of one virtual SuperNode: a CPU, and an equal share of the GPU on a CUDA run.
+
+    Ray hides every GPU from an actor that asks for none (``CUDA_VISIBLE_DEVICES=""``), so on CUDA the
+    nodes ask for ``1 / num_clients`` of it each and share the card (each holds its own base model).
+    """
+    device = settings.resolve_device(config.device or None)
+    share = math.floor(10_000 / max(1, num_clients)) / 10_000 if device.type == "cuda" else 0.0
+    return {"num_cpus": 1, "num_gpus": share}
 
 
 def run_flower_simulation(config: FlowerConfig, num_clients: int) -> RunDir:
@@ -304,7 +245,7 @@ def run_flower_simulation(config: FlowerConfig, num_clients: int) -> RunDir:
 
     run_simulation(server_app=make_server_app(config), client_app=make_client_app(config),
                    num_supernodes=num_clients,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+                   backend_config={"client_resources": client_resources(config, num_clients)})
     return RunDir(Path(config.out))
 
 

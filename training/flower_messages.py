@@ -10,7 +10,7 @@ One message per node per round, each carrying that node's own :class:`~training.
 * ``query.identify``, server -> node, once per run: the reply names the node's ``partition-id`` and
   the data set client it serves, so the server can address each client's instructions.
 
-The server-side exchanges (:func:`identify_nodes`, :func:`exchange`) live here too.
+The server side of the exchanges is :mod:`training.flower_transport`.
 
 A ``ConfigRecord`` holds only scalars (int, float, str, bytes, bool) and flat lists of one scalar
 type, so any other config value (FedAMoLE's per-module assignment ``{module: [expert ids]}``, empty
@@ -20,17 +20,12 @@ lists, tuples) travels as a JSON string under ``json.<key>`` and is decoded on a
 from __future__ import annotations
 
 import json
-import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, ConfigRecord, MessageType, MetricRecord, RecordDict
 
 from training.protocol import FitIns, FitRes
-
-logger = logging.getLogger(__name__)
 
 JSON_PREFIX = "json."
 FINALIZE = f"{MessageType.TRAIN}.finalize"
@@ -123,69 +118,3 @@ def read_identity(content: RecordDict) -> tuple[int, str]:
     """(partition id, client id) from an :func:`identity_content`."""
     meta = content["config"]
     return int(meta["partition-id"]), str(meta["client-id"])
-
-
-def identify_nodes(grid: Grid, timeout: float) -> dict[str, int]:
-    """client id -> node id, from one ``query.identify`` exchange with every connected node.
-
-    Waits up to ``timeout`` for a first node to connect; a node that answers with an error is logged
-    and left out.
-
-    Raises:
-        ValueError: two nodes serve the same client (two SuperNodes with one ``partition-id``).
-        RuntimeError: no node identified itself.
-    """
-    deadline = time.monotonic() + timeout
-    while not (ids := sorted(grid.get_node_ids())) and time.monotonic() < deadline:
-        time.sleep(1.0)  # a deployment's SuperNodes may still be connecting
-    asked = [Message(content=RecordDict(), dst_node_id=nid, message_type=IDENTIFY) for nid in ids]
-    nodes: dict[str, int] = {}
-    for reply in grid.send_and_receive(asked, timeout=timeout):
-        src = int(reply.metadata.src_node_id)
-        if reply.has_error():
-            logger.warning("node %d did not identify itself: %s", src, reply.error.reason)
-            continue
-        partition, cid = read_identity(reply.content)
-        if cid in nodes:
-            raise ValueError(f"nodes {nodes[cid]} and {src} both serve client {cid!r} (partition-id {partition})")
-        nodes[cid] = src
-    if not nodes:
-        raise RuntimeError(f"none of the {len(asked)} connected nodes identified itself")
-    return nodes
-
-
-def exchange(
-    grid: Grid, sends: dict[str, tuple[int, FitIns]], timeout: float, message_type: str = MessageType.TRAIN
-) -> tuple[list[FitRes], list[tuple[str, str]]]:
-    """Send each client its own instructions in one message to its node; collect the replies.
-
-    Args:
-        grid: the ServerApp's grid.
-        sends: client id -> (node id, that client's FitIns).
-        timeout: seconds to wait for the replies.
-        message_type: ``train`` (a round) or ``train.finalize``.
-
-    Returns:
-        (results, failures), both in the order of ``sends``: failures are (client, reason) for error
-        replies, replies from the wrong client and clients that did not answer in time.
-    """
-    messages = [Message(content=fit_content(ins, cid), dst_node_id=nid, message_type=message_type)
-                for cid, (nid, ins) in sends.items()]
-    client_of = {nid: cid for cid, (nid, _) in sends.items()}
-    results: list[FitRes] = []
-    failures: list[tuple[str, str]] = []
-    for reply in grid.send_and_receive(messages, timeout=timeout):
-        cid = client_of.get(int(reply.metadata.src_node_id), str(reply.metadata.src_node_id))
-        if reply.has_error():
-            failures.append((cid, str(reply.error.reason)))
-            continue
-        res = read_reply_content(reply.content)
-        if res.client_id != cid:
-            failures.append((cid, f"the node answered as client {res.client_id!r}"))
-            continue
-        results.append(res)
-    answered = {r.client_id for r in results} | {c for c, _ in failures}
-    failures += [(c, f"no reply within {timeout} s") for c in sends if c not in answered]
-    rank = {c: i for i, c in enumerate(sends)}  # replies come as nodes finish: back to the selection order
-    return (sorted(results, key=lambda r: rank[r.client_id]),
-            sorted(failures, key=lambda f: rank.get(f[0], len(rank))))

@@ -88,8 +88,8 @@ def train_adapters(
     cfg = runtime.train
     if not examples:
         raise ValueError("cannot train on zero examples")
-    torch.manual_seed(seed)  # dropout masks
-    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout masks: the default generator of the model's device (CUDA's is seeded too)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # the shuffle: the same order on every device
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
     total = steps_per_epoch * cfg.local_epochs if cfg.max_steps is None else cfg.max_steps
     adapted = runtime.adapted
@@ -97,10 +97,12 @@ def train_adapters(
     params = adapted.parameters_of(trainable) + list(extra_params)
     opt = _optimizer(runtime, params)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
-    pad = runtime.tokenizer.pad_token_id
-    w_row = torch.tensor([list(weights)], dtype=torch.float32).reshape(1, len(names))
+    pad, device = runtime.tokenizer.pad_token_id, runtime.device
+    if len(weights) != len(names) or not all(math.isfinite(float(x)) for x in weights):
+        raise ValueError(f"weights must be {len(names)} finite numbers for adapters {tuple(names)}, got {weights}")
+    w_row = torch.tensor([list(weights)], dtype=torch.float32, device=device).reshape(1, len(names))
     in_forward = tuple(t for t in trainable if t in names)  # AMoLE routes inside the loss instead
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # per step, on the device; read one step late so a GPU never idles
     extras: dict[str, list[float]] = {}
     order: list[int] = []
     runtime.model.train()
@@ -108,18 +110,18 @@ def train_adapters(
     try:
         for _ in range(total):
             if len(order) < cfg.batch_size:
-                order += torch.randperm(len(examples), generator=gen).tolist()
+                order += torch.randperm(len(examples), generator=gen, device="cpu").tolist()
             idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
             opt.zero_grad(set_to_none=True)
-            step_loss = 0.0
+            step_loss = torch.zeros((), dtype=torch.float64, device=device)
             for start in range(0, len(idx), cfg.micro_batch_size):
                 micro = [examples[i] for i in idx[start:start + cfg.micro_batch_size]]
-                batch = collate(micro, pad_id=pad)
+                batch = collate(micro, pad_id=pad, device=device)
                 w = w_row.expand(len(micro), -1)
                 with adapted.context.use(tuple(names), w, trainable=in_forward), runtime.loaded.autocast():
                     loss, extra = loss_fn(runtime, batch, names, w)
                 (loss * (len(micro) / len(idx))).backward()
-                step_loss += float(loss.detach()) * len(micro) / len(idx)
+                step_loss += loss.detach().double() * (len(micro) / len(idx))
                 for k, v in extra.items():
                     extras.setdefault(k, []).append(v)
             if cfg.max_grad_norm is not None:
@@ -127,7 +129,8 @@ def train_adapters(
             opt.step()
             sched.step()
             losses.append(step_loss)
-            bar.set_postfix(loss=f"{step_loss:.3f}")
+            if len(losses) > 1:  # the previous step's loss: waiting for it leaves this step queued on a GPU
+                bar.set_postfix(loss=f"{float(losses[-2]):.3f}")
             bar.update(1)
     finally:
         bar.close()
@@ -136,5 +139,6 @@ def train_adapters(
         adapted.set_trainable(())
         for layer in adapted.layers.values():
             layer.invalidate_cache()
-    return TrainResult(loss=sum(losses) / len(losses), steps=total, examples=len(examples),
+    values = torch.stack(losses).tolist()
+    return TrainResult(loss=sum(values) / len(values), steps=total, examples=len(examples),
                        extra={k: sum(v) / len(v) for k, v in extras.items()})

@@ -7,7 +7,7 @@ one local update from what it received, plus an optional final personalization s
 client's private state (its local adapter, history) lives in :class:`ClientContext.private` and never
 leaves the client (paper 000 Table 12: only the global adapter travels).
 
-Round loop (owned by the runtime, not by methods)::
+Round loop (:mod:`training.rounds`, one for every runtime, not owned by methods)::
 
     state = strategy.initial_state(runtime)
     for r in rounds:

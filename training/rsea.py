@@ -162,7 +162,7 @@ def server_expert_embeddings(
     if not means:
         raise ValueError("no expert embeddings received")
     r = next(iter(means.values())).shape[-1]
-    out = torch.zeros(num_experts, r)
+    out = torch.zeros(num_experts, r, device="cpu")  # server side: scores feed the CPU MILP
     for j, vec in means.items():
         out[j] = vec.float()
     return out
@@ -180,7 +180,7 @@ def selection_probabilities(scores: torch.Tensor) -> torch.Tensor:
 
 def random_scores(num_experts: int, num_clients: int, generator: torch.Generator) -> torch.Tensor:
     """U(0, 1) scores for round 0 and the random-assignment ablation. (N_e, N_c)."""
-    return torch.rand(num_experts, num_clients, generator=generator, dtype=torch.float64)
+    return torch.rand(num_experts, num_clients, generator=generator, dtype=torch.float64, device=generator.device)
 
 
 def scores_source(config: AMoLEConfig, round_idx: int) -> Literal["random", "relevance", "keep"]:
@@ -214,12 +214,15 @@ def assign_experts(
     if scores is None:
         if modules is None:
             raise ValueError("random assignment needs the module names")
-        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        gen = generator if generator is not None else torch.Generator(device="cpu").manual_seed(0)
         scores = {m: random_scores(config.num_experts, len(clients), gen) for m in modules}
     names = list(modules) if modules is not None else list(scores)
     result: dict[str, dict[C, list[int]]] = {}
     for name in names:
-        s = torch.as_tensor(np.asarray(scores[name]), dtype=torch.float64)
+        raw = scores[name]
+        # the MILP runs on the CPU: scores computed on a GPU are copied here
+        s = raw.detach().to("cpu", torch.float64) if isinstance(raw, torch.Tensor) else \
+            torch.as_tensor(np.asarray(raw), dtype=torch.float64)
         if s.shape != (config.num_experts, len(clients)):
             raise ValueError(
                 f"{name}: scores shape {tuple(s.shape)} != ({config.num_experts}, {len(clients)})"

@@ -107,8 +107,8 @@ def add_dp_noise(
     dim = emb.shape[-1]
     mag = rng.gamma(shape=dim, scale=1.0 / eta, size=tuple(emb.shape))
     sign = rng.uniform(-1.0, 1.0, size=tuple(emb.shape))
-    noisy = emb.double() + torch.from_numpy(mag * sign)
-    bound = torch.as_tensor(max_norm, dtype=torch.float64)
+    noisy = emb.double() + torch.from_numpy(mag * sign).to(emb.device)
+    bound = torch.as_tensor(max_norm, dtype=torch.float64, device=emb.device)
     if noisy.dim() == 2 and bound.dim() == 1:
         bound = bound.unsqueeze(-1)  # (E, 1)
     norm = noisy.norm(dim=-1, keepdim=noisy.dim() == 2)
@@ -132,5 +132,6 @@ def add_gaussian_noise(emb: torch.Tensor, sigma: float, generator: torch.Generat
         raise ValueError(f"sigma must be >= 0, got {sigma}")
     if sigma == 0:
         return emb
-    noise = torch.randn(tuple(emb.shape), generator=generator, dtype=torch.float64) * sigma
+    # drawn on the generator's device (the CPU), then moved: the same noise wherever the client ran
+    noise = torch.randn(tuple(emb.shape), generator=generator, dtype=torch.float64, device=generator.device) * sigma
     return (emb.double() + noise.to(emb.device)).to(emb.dtype)

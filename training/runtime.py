@@ -3,6 +3,10 @@
 Simulated clients share one injected model; before a client trains, the runtime loads the tensors it
 received (global) and its private ones (local) into the two slots. Tokenized examples are cached per
 client. Training settings (the papers' values by default, a ``small`` preset for this CPU) are here.
+
+The model lives on its device (CPU or GPU); what leaves it (:meth:`Runtime.get`, the uploads, the
+server's state, the checkpoints) is on the CPU, so a run's messages and files never depend on where a
+client trained, and a server on one device can drive clients on another.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 import torch
 
 from adapters import AdaptedModel, LoraConfig, inject
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from training.data import IGNORE, ClientData, Example, PromptConfig, tokenize_record
 from training.protocol import StateDict
 
@@ -111,17 +115,25 @@ class Runtime:
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model (and every tensor a training step creates) lives."""
+        return self.loaded.device
+
     def get(self, name: str) -> StateDict:
-        """A detached copy of adapter ``name``'s tensors."""
-        return {k: v.clone() for k, v in self.adapted.adapter_state(name).items()}
+        """A detached CPU copy of adapter ``name``'s tensors (what travels and is stored)."""
+        return {k: v.to("cpu", copy=True) for k, v in self.adapted.adapter_state(name).items()}
 
     def set(self, name: str, state: StateDict) -> None:
         """Load tensors into adapter ``name``."""
         self.adapted.load_adapter_state(name, state)
 
     def fresh(self, name: str, seed: int) -> StateDict:
-        """Re-initialise ``name`` with PEFT's init from ``seed`` (B = 0) and return its tensors."""
-        gen = torch.Generator().manual_seed(seed)
+        """Re-initialise ``name`` with PEFT's init from ``seed`` (B = 0) and return its tensors.
+
+        The draw is on the CPU (then copied to the model), so a seed means the same on every device.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed)
         for _, layer in self.adapted.adapter_layers(name):
             layer.adapters[name].reset(gen)
             layer.invalidate_cache()

@@ -18,7 +18,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from serving.api import errors
+from serving.access import KeyRing
+from serving.api import errors, openapi
 from serving.api.dependencies import ServerState
 from serving.api.routes import adapters, chat, completions, health, models, run_files
 from serving.engine import EngineConfig
@@ -33,7 +34,7 @@ def stack_config(settings: ServeSettings) -> StackConfig:
     """The stack configuration of the server's settings."""
     s = settings
     return StackConfig(
-        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, run_dir=s.run_dir,
+        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
         adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
         max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
@@ -81,7 +82,7 @@ def _exit_soon(reason: str, grace_s: float = 2.0) -> None:
 def _build_logged(state: ServerState, router: WeightRouter | None) -> None:
     try:
         build_state(state, router)
-    except Exception as exc:  # noqa: BLE001 - reported by /health and every endpoint
+    except Exception as exc:  # reported by /health and every endpoint
         logger.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
 
@@ -134,9 +135,17 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
     Args:
         settings: server settings (default: from the environment).
         router: a FedDPA weight router for ``<client>`` targets (default: the run's fixed weight).
+
+    Raises:
+        AccessConfigError: a key file or the key binding file is unreadable or malformed.
     """
     settings = settings or ServeSettings()
-    state = ServerState(settings=settings)
+    keys = KeyRing.build(settings.api_keys, settings.admin_keys, settings.api_key_file, settings.admin_key_file,
+                         settings.key_bindings)
+    if keys.open and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without any API key: anyone who reaches it may use every target",
+                       settings.host)
+    state = ServerState(settings=settings, keys=keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -152,7 +161,9 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
     app = FastAPI(title="fedmosaic", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     errors.install(app)
+    openapi.install(app, secured=not keys.open)
     for module in (health, models, chat, completions, adapters, run_files):
         app.include_router(module.router)
+    app.include_router(health.metrics_router(settings.protect_metrics))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

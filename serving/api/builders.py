@@ -1,20 +1,60 @@
-"""OpenAI request bodies -> engine inputs, and engine results -> OpenAI response bodies.
+"""OpenAI request bodies -> engine inputs: one :class:`Choice` per prompt and per ``n``.
 
 Shared by the HTTP routes (:mod:`serving.api.routes`) and the offline batch runner
 (:mod:`serving.batch`), so a batch-file line and an HTTP request with the same body get the same
-prompt, the same sampling parameters and the same response JSON (ids and timestamps aside).
-Pure functions: no FastAPI, no server state.
+prompts and sampling parameters; :mod:`serving.api.responses` builds the response bodies. Pure
+functions: no FastAPI, no server state.
+
+A completions ``prompt`` may be a string, a list of strings, token ids or a list of token-id lists;
+each prompt yields ``n`` choices, indexed ``prompt * n + j`` (vLLM's order). With a ``seed``, choice
+``j`` of a prompt samples with ``seed + j`` (vLLM's rule for ``n > 1``), so choices differ and a
+request is reproducible; without one every choice draws fresh entropy.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serving.errors import EngineNotReady, GenerationFailed, InvalidRequest, RequestTimedOut
 from serving.request import GenerationResult
-from serving.sampling import SamplingParams
-from serving.targets import TargetPlan
+from serving.sampling import SEED_RANGE, SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's limits applied to every request.
+
+    Attributes:
+        max_tokens_limit: the largest ``max_tokens`` allowed.
+        default_max_tokens: ``max_tokens`` when a request sets none (capped at the limit).
+        max_choices: choices one request may ask for (prompts x n).
+    """
+
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    max_choices: int = 64
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One engine request of a response.
+
+    Attributes:
+        index: the choice's ``index`` in the response.
+        prompt_index: which prompt of the request it answers.
+        prompt: prompt text, or None when ``prompt_ids`` is given.
+        prompt_ids: prompt token ids.
+        sampling: its decoding parameters (its own seed).
+        echo: text put before the completion (completions' ``echo``), else "".
+    """
+
+    index: int
+    prompt_index: int
+    prompt: str | None
+    prompt_ids: tuple[int, ...] | None
+    sampling: SamplingParams
+    echo: str = ""
 
 
 def chat_prompt(tokenizer: object, body: ChatCompletionRequest) -> str:
@@ -23,24 +63,32 @@ def chat_prompt(tokenizer: object, body: ChatCompletionRequest) -> str:
     Raises:
         InvalidRequest: the tokenizer's chat template rejects the messages.
     """
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.template_dict() for m in body.messages]
     try:
         return str(tokenizer.apply_chat_template(  # type: ignore[attr-defined]
             messages, tokenize=False, add_generation_prompt=True))
-    except Exception as exc:  # noqa: BLE001 - templates raise on unsupported role orders
+    except Exception as exc:  # templates raise on unsupported role orders
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
 
-def completion_prompt(body: CompletionRequest) -> str:
-    """The single raw prompt of a completion request (no template).
+def encode(tokenizer: object, text: str) -> tuple[int, ...]:
+    """``text``'s token ids as the engine tokenizes a prompt (no special tokens added).
 
     Raises:
-        InvalidRequest: a batch of prompts (send one per request).
+        InvalidRequest: the text cannot be tokenized (lone surrogates).
     """
     try:
-        return body.prompt_text()
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param="prompt") from exc
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    except (UnicodeError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"the prompt is not valid text ({type(exc).__name__}: {exc})", param="prompt") from exc
+
+
+def decode(tokenizer: object, ids: tuple[int, ...] | list[int]) -> str:
+    """The text of token ids (special tokens skipped, as completions are)."""
+    try:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))  # type: ignore[attr-defined]
+    except (IndexError, OverflowError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"prompt token ids do not decode: {exc}", param="prompt") from exc
 
 
 def requested_max_tokens(body: SamplingFields) -> int | None:
@@ -50,36 +98,91 @@ def requested_max_tokens(body: SamplingFields) -> int | None:
     return body.max_tokens
 
 
-def sampling_params(body: SamplingFields, limit: int, default: int) -> SamplingParams:
+def logprob_counts(body: SamplingFields) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs) for the engine: top alternatives per token, None when not asked."""
+    if isinstance(body, ChatCompletionRequest):
+        return ((body.top_logprobs or 0) if body.logprobs else None), None
+    if isinstance(body, CompletionRequest):
+        return body.logprobs, (body.logprobs if body.echo and body.logprobs is not None else None)
+    return None, None
+
+
+def child_seed(seed: int | None, j: int) -> int | None:
+    """The seed of choice ``j`` of a prompt: ``seed + j``, wrapped into the generator's range."""
+    if seed is None or j == 0:
+        return seed
+    low, high = SEED_RANGE
+    return (seed + j - low) % (high - low + 1) + low
+
+
+def sampling_params(body: SamplingFields, limits: Limits, seed: int | None = None) -> SamplingParams:
     """The engine's sampling parameters, with the server's token limits applied.
 
-    Args:
-        body: the request.
-        limit: the largest ``max_tokens`` allowed.
-        default: ``max_tokens`` when the request sets none (capped at ``limit``).
-
     Raises:
-        InvalidRequest: ``max_tokens`` above ``limit``.
+        InvalidRequest: ``max_tokens`` above the limit, or a parameter the engine refuses (named).
     """
     asked = requested_max_tokens(body)
-    tokens = asked if asked is not None else min(default, limit)
-    if tokens > limit:
-        raise InvalidRequest(f"max_tokens is {tokens}; this server allows at most {limit}", param="max_tokens")
-    return SamplingParams(max_tokens=tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k, 0), stop=body.stop_strings(), seed=body.seed)
+    explicit = bool(body.model_fields_set & {"max_tokens", "max_completion_tokens"})
+    if asked is None:
+        tokens = min(limits.default_max_tokens, limits.max_tokens_limit)
+    elif not explicit:  # the wire default (completions: OpenAI's 16) yields to a lower server limit
+        tokens = min(asked, limits.max_tokens_limit)
+    else:
+        tokens = asked
+    if tokens > limits.max_tokens_limit:
+        raise InvalidRequest(f"max_tokens is {tokens}; this server allows at most {limits.max_tokens_limit}",
+                             param="max_tokens")
+    min_tokens = body.min_tokens or 0
+    if min_tokens > tokens:
+        raise InvalidRequest(f"min_tokens ({min_tokens}) exceeds max_tokens ({tokens})", param="min_tokens")
+    logprobs, prompt_logprobs = logprob_counts(body)
+    bias = tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items()))
+    try:
+        return SamplingParams(
+            max_tokens=tokens, temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
+            top_k=max(body.top_k or 0, 0), stop=body.stop_strings(), seed=seed,
+            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
+            repetition_penalty=_or(body.repetition_penalty, 1.0), logit_bias=bias, min_tokens=min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()))
+    except ValueError as exc:
+        message = str(exc)
+        raise InvalidRequest(message, param=message.split(" ", 1)[0]) from exc
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    """The OpenAI usage object."""
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
 
 
-def extension(plan: TargetPlan, result: GenerationResult | None) -> dict[str, Any]:
-    """The ``fedmosaic`` response field: mode, weights used per adapter, routing info."""
-    weights = result.adapter_weights if result is not None else plan.weights
-    info = dict(result.route_info) if result is not None and result.route_info else dict(plan.info or {})
-    return {"mode": plan.mode, "weights": dict(zip(plan.names, weights, strict=True)), "info": info}
+def choices(body: SamplingFields, tokenizer: object, limits: Limits) -> list[Choice]:
+    """Every engine request ``body`` asks for, in response order.
+
+    Raises:
+        InvalidRequest: too many choices, a limit exceeded, or a prompt the tokenizer refuses.
+    """
+    n = body.n or 1
+    prompts: list[str | list[int]]
+    if isinstance(body, ChatCompletionRequest):
+        prompts = [chat_prompt(tokenizer, body)]
+    elif isinstance(body, CompletionRequest):
+        prompts = body.prompts()
+    else:
+        raise TypeError(f"not a generation request: {type(body).__name__}")
+    if len(prompts) * n > limits.max_choices:
+        raise InvalidRequest(f"{len(prompts)} prompt(s) x n = {n} asks for {len(prompts) * n} choices; this server "
+                             f"answers at most {limits.max_choices} per request", param="n")
+    first = sampling_params(body, limits, body.seed)  # validates once, before any prompt is tokenized
+    echo = isinstance(body, CompletionRequest) and bool(body.echo)
+    out = []
+    for p, prompt in enumerate(prompts):
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+        if text is not None and first.prompt_logprobs is not None:
+            ids = encode(tokenizer, text)  # echo's logprobs name every prompt token, the first one included
+        shown = "" if not echo else text if text is not None else decode(tokenizer, ids or ())
+        for j in range(n):
+            sampling = first if j == 0 else sampling_params(body, limits, child_seed(body.seed, j))
+            out.append(Choice(p * n + j, p, text if ids is None else None, ids, sampling, shown))
+    return out
 
 
 def finish_reason(result: GenerationResult) -> str:
@@ -101,25 +204,3 @@ def finish_reason(result: GenerationResult) -> str:
     if result.finish_reason == "cancelled":
         raise EngineNotReady("the request was cancelled (server shutting down)")
     return result.finish_reason
-
-
-def chat_body(response_id: str, created: int, model: str, plan: TargetPlan, result: GenerationResult
-              ) -> dict[str, Any]:
-    """A ``chat.completion`` response body."""
-    return {
-        "id": response_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                     "logprobs": None, "finish_reason": finish_reason(result)}],
-        "usage": usage(result), "fedmosaic": extension(plan, result),
-    }
-
-
-def completion_body(response_id: str, created: int, model: str, plan: TargetPlan, result: GenerationResult,
-                    echo: str = "") -> dict[str, Any]:
-    """A ``text_completion`` response body (``echo``: the prompt, when the request asked for it)."""
-    return {
-        "id": response_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": echo + result.text, "logprobs": None,
-                     "finish_reason": finish_reason(result)}],
-        "usage": usage(result), "fedmosaic": extension(plan, result),
-    }

@@ -27,6 +27,8 @@ _DOMAIN: tuple[tuple[type[Exception], int, str, str], ...] = (
     (errors.ModelNotFound, 404, "NotFoundError", "model_not_found"),
     (errors.AdapterNotFound, 404, "NotFoundError", "adapter_not_found"),
     (errors.AdapterExists, 400, "BadRequestError", "adapter_exists"),
+    (errors.AdapterPinned, 409, "ConflictError", "adapter_pinned"),
+    (errors.NameReserved, 400, "BadRequestError", "name_reserved"),
     (errors.AdapterLoadFailed, 400, "BadRequestError", "adapter_load_failed"),
     (errors.PathNotAllowed, 403, "PermissionDeniedError", "path_not_allowed"),
     (errors.NoFreeSlot, 503, "ServiceUnavailableError", "no_free_adapter_slot"),
@@ -40,8 +42,8 @@ _DOMAIN: tuple[tuple[type[Exception], int, str, str], ...] = (
 )
 
 _HTTP = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-         405: "MethodNotAllowed", 413: "RequestTooLarge", 429: "RateLimitError", 503: "ServiceUnavailableError",
-         504: "GatewayTimeoutError"}
+         405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 429: "RateLimitError",
+         503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 
 def envelope(status: int, message: str, type_: str, code: str | None, param: str | None = None,
@@ -62,12 +64,29 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, object]]:
                                               code="internal_error")).model_dump()
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member loc parts
+_NAMED = ("unsupported", "extra_forbidden")  # errors that name a field this server refuses
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    """The request field of an error location, without ``body`` and union-member tags (``list[int]``)."""
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    return ".".join(parts) or None
+
+
 def validation_payload(problems: Sequence[Mapping[str, Any]]) -> dict[str, object]:
-    """The 400 envelope dict for pydantic validation errors (the first one names the ``param``)."""
-    first = problems[0] if problems else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))
+    """The 400 envelope dict for pydantic validation errors.
+
+    The first error names the ``param``, except that a refused field (unknown, or an OpenAI feature this
+    server does not implement) is named first, so a union's other members never hide it.
+    """
+    first = next((p for p in problems if p.get("type") in _NAMED), problems[0] if problems else {})
+    param = _param(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = ("unknown field: not an OpenAI or vLLM parameter this server implements (see the README's "
+               "parameter table)")
+    message = f"{param}: {msg}" if param else msg
     return ErrorResponse(error=ErrorBody(message=message, type="BadRequestError", param=param,
                                          code="invalid_request")).model_dump()
 

@@ -1,124 +1,194 @@
-"""Shared by the chat and completion routes: request -> engine submission -> JSON or SSE response.
+"""Shared by the chat and completion routes: request -> engine submissions -> JSON or SSE response.
 
-The route modules only build the prompt and the response shapes; leasing adapter versions, sampling
-parameters, SSE framing, cancellation on disconnect and metrics are here, once.
+The route modules only pick the response shape (:mod:`serving.api.responses`); the caller's access
+to the target, leasing adapter versions, submitting every choice, SSE framing, cancellation on
+disconnect and metrics are here, once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.api import builders
+from serving.access import Principal
+from serving.api.builders import Choice, Limits
 from serving.api.dependencies import ServerState
 from serving.api.errors import error_payload
 from serving.api.protocol import SamplingFields
-from serving.request import GenerationResult, RequestHandle
-from serving.sampling import SamplingParams
-from serving.stack import Job
-from serving.targets import TargetPlan
+from serving.api.responses import Answer, usage
+from serving.errors import ModelNotFound
+from serving.request import GenerationResult
+from serving.stack import Job, ServingStack, Submitted
+
+
+class Shape(Protocol):
+    """A response shape (:class:`~serving.api.responses.ChatShape` or ``CompletionShape``)."""
+
+    endpoint: str
+
+    def body(self, answers: Sequence[Answer]) -> dict[str, Any]: ...
+    def start(self, choice: Choice) -> dict[str, Any]: ...
+    def delta(self, choice: Choice, text: str) -> dict[str, Any]: ...
+    def end(self, answer: Answer) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
 class Started:
-    """A submitted request and what the response needs to say about it."""
+    """The submitted choices of one request."""
 
-    handle: RequestHandle
-    plan: TargetPlan
+    choices: tuple[Choice, ...]
+    submitted: tuple[Submitted, ...]
     response_id: str
     created: int
     t0: float
 
+    def cancel(self) -> None:
+        """Cancel every choice still running."""
+        for sub in self.submitted:
+            if not sub.handle.done:
+                sub.handle.cancel()
 
-def sampling_params(body: SamplingFields, state: ServerState) -> SamplingParams:
-    """Validate the server's token limits and build the engine's sampling parameters."""
-    return builders.sampling_params(body, state.settings.max_tokens_limit, state.settings.default_max_tokens)
+
+def limits(state: ServerState) -> Limits:
+    """The server's request limits."""
+    s = state.settings
+    return Limits(s.max_tokens_limit, s.default_max_tokens, s.max_choices)
 
 
-async def start(state: ServerState, body: SamplingFields, prompt: str, params: SamplingParams, prefix: str) -> Started:
-    """Resolve the target, lease its adapter versions and submit the request (:meth:`ServingStack.submit`)."""
+def check_access(state: ServerState, caller: Principal, body: SamplingFields) -> None:
+    """Refuse targets the caller's key is not bound to, as if they did not exist (404).
+
+    Raises:
+        ModelNotFound: ``model`` or an adapter of the mixture is outside the key's binding.
+    """
+    if not caller.allows(body.model, state.base_name):
+        raise ModelNotFound(f"the model {body.model!r} does not exist")
+    for name, _ in body.mixture() or ():
+        if not caller.allows(name, state.base_name):
+            raise ModelNotFound(f"adapters [{name!r}] are not loaded")
+
+
+def submit_all(stack: ServingStack, jobs: Sequence[Job]) -> list[Submitted]:
+    """Submit every job; when one is refused, cancel those already submitted and re-raise."""
+    done: list[Submitted] = []
+    try:
+        for job in jobs:
+            done.append(stack.submit(job))
+    except BaseException:
+        for sub in done:
+            sub.handle.cancel()
+        raise
+    return done
+
+
+async def start(state: ServerState, body: SamplingFields, choices: Sequence[Choice], prefix: str) -> Started:
+    """Resolve the target, lease its adapter versions and submit every choice (access checked before)."""
     assert state.stack is not None
-    job = Job(target=body.model, sampling=params, prompt=prompt,
-              mixture=tuple(body.mixture()) if body.mixture() else None)
+    mixture = tuple(body.mixture() or ()) or None
+    jobs = [Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids, mixture=mixture)
+            for c in choices]
     # leasing may reload an evicted adapter from disk: off the event loop
-    submitted = await run_in_threadpool(state.stack.submit, job)
-    return Started(submitted.handle, submitted.plan, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+    submitted = await run_in_threadpool(submit_all, state.stack, jobs)
+    return Started(tuple(choices), tuple(submitted), f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                    time.perf_counter())
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    """The OpenAI usage object."""
-    return builders.usage(result)
-
-
-def extension(started: Started, result: GenerationResult | None) -> dict[str, Any]:
-    """The ``fedmosaic`` response field: mode, weights used per adapter, routing info."""
-    return builders.extension(started.plan, result)
-
-
-def finish_reason(result: GenerationResult) -> str:
-    """The OpenAI finish reason (an engine error or shutdown surfaces as an exception)."""
-    return builders.finish_reason(result)
-
-
-def record(state: ServerState, started: Started, result: GenerationResult, endpoint: str) -> None:
-    """Update the metrics for a finished request."""
-    m = state.metrics
+def record(state: ServerState, started: Started, answer: Answer, endpoint: str) -> None:
+    """Update the metrics for a finished choice."""
+    m, result = state.metrics, answer.result
     m.requests.labels(endpoint, result.finish_reason).inc()
     m.prompt_tokens.inc(result.prompt_tokens)
     m.generation_tokens.inc(result.completion_tokens)
     m.latency.labels(endpoint).observe(time.perf_counter() - started.t0)
-    if started.plan.mode == "feddpa" and len(result.adapter_weights) == 2:
+    if answer.plan.mode == "feddpa" and len(result.adapter_weights) == 2:
         m.feddpa_weight.observe(result.adapter_weights[1])
 
 
-async def complete(state: ServerState, started: Started, endpoint: str) -> GenerationResult:
-    """Wait for the result (cancelling the request if the client goes away) and record it."""
+def _answer(started: Started, i: int, result: GenerationResult) -> Answer:
+    return Answer(started.choices[i], started.submitted[i].plan, result)
+
+
+async def respond(state: ServerState, started: Started, shape: Shape, stream: bool,
+                  include_usage: bool = False) -> Response:
+    """The JSON response once every choice finished, or the SSE stream."""
+    if stream:
+        return sse(state, started, shape, include_usage)
     try:
-        result = await started.handle.aresult()
+        results = await asyncio.gather(*(sub.handle.aresult() for sub in started.submitted))
     finally:
-        if not started.handle.done:
-            started.handle.cancel()
-    record(state, started, result, endpoint)
-    return result
+        started.cancel()  # the client went away (or a choice failed): free the engine rows
+    answers = [_answer(started, i, r) for i, r in enumerate(results)]
+    for a in answers:
+        record(state, started, a, shape.endpoint)
+    return JSONResponse(shape.body(answers))
 
 
-def sse(state: ServerState, started: Started, endpoint: str,
-        chunk: Callable[[str | None, str | None], dict[str, Any]], include_usage: bool) -> StreamingResponse:
-    """Stream ``data: {chunk}`` events, then ``data: [DONE]``; a disconnect cancels the request.
+async def merged(started: Started) -> AsyncIterator[tuple[int, str | None]]:
+    """(choice, text delta) from every choice as they come; (choice, None) when that choice ends."""
+    queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
-    ``chunk(delta_text, finish_reason)`` builds one chunk object in the endpoint's shape.
-    """
+    async def pump(i: int) -> None:
+        try:
+            async for delta in started.submitted[i].handle.astream():
+                await queue.put((i, delta))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(started.submitted))]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            left -= item[1] is None
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse(state: ServerState, started: Started, shape: Shape, include_usage: bool) -> StreamingResponse:
+    """Stream ``data: {chunk}`` events, then ``data: [DONE]``; a disconnect cancels every choice."""
 
     async def events() -> AsyncIterator[str]:
-        handle = started.handle
+        answers: list[Answer] = []
         try:
-            first = chunk("", None)
-            yield f"data: {json.dumps(first)}\n\n"
-            async for delta in handle.astream():
-                yield f"data: {json.dumps(chunk(delta, None))}\n\n"
-            result = await handle.aresult()
-            last = chunk(None, finish_reason(result))
-            last["fedmosaic"] = extension(started, result)
-            yield f"data: {json.dumps(last)}\n\n"
+            for choice in started.choices:
+                yield f"data: {json.dumps(shape.start(choice))}\n\n"
+            async for i, delta in merged(started):
+                if delta is not None:
+                    yield f"data: {json.dumps(shape.delta(started.choices[i], delta))}\n\n"
+                    continue
+                answer = _answer(started, i, await started.submitted[i].handle.aresult())
+                yield f"data: {json.dumps(shape.end(answer))}\n\n"
+                answers.append(answer)
+                record(state, started, answer, shape.endpoint)
             if include_usage:
-                tail = chunk(None, None)
-                tail["choices"], tail["usage"] = [], usage(result)
+                tail = {**shape.start(started.choices[0]), "choices": [], "usage": usage(answers)}
                 yield f"data: {json.dumps(tail)}\n\n"
-            record(state, started, result, endpoint)
-        except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band as OpenAI does
+        except Exception as exc:  # headers are sent; report in-band as OpenAI does
             yield f"data: {json.dumps(error_payload(exc)[1])}\n\n"
         finally:
-            if not handle.done:
-                handle.cancel()
+            started.cancel()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def details(state: ServerState, caller: Principal) -> bool:
+    """Whether this caller's responses carry FedDPA routing details."""
+    return state.routing_details(caller)
+
+
+def head(started: Started, model: str) -> dict[str, Any]:
+    """The fields every body and chunk of a response shares."""
+    return {"id": started.response_id, "created": started.created, "model": model}
+

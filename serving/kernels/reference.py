@@ -78,8 +78,9 @@ def rotary_kv_write(
     q_rot = (q * c) + (rotate_half(q) * s)  # (N, Hq, D)
     k_rot = (k * c) + (rotate_half(k) * s)  # (N, Hkv, D)
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is (N, Hkv, D).
-    k_cache[slots, :, positions] = k_rot
-    v_cache[slots, :, positions] = v
+    # The caches hold the compute dtype; under CPU autocast the rotation promotes to fp32 (cos/sin are).
+    k_cache[slots, :, positions] = k_rot.to(k_cache.dtype)
+    v_cache[slots, :, positions] = v.to(v_cache.dtype)
     return q_rot
 
 
@@ -140,13 +141,14 @@ def decode_attention(
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
-    v, _ = _gather_rows(v_cache, slots, lengths)
-    qg = q.float().view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
-    scores = torch.einsum("bkgd,bkld->bkgl", qg, k) * scale  # (B, Hkv, G, L)
-    scores = scores.masked_fill_(~valid[:, None, None, :], _MASKED)
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,bkld->bkgd", probs, v)  # (B, Hkv, G, D)
+    with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
+        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+        v, _ = _gather_rows(v_cache, slots, lengths)
+        qg = q.float().view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
+        scores = torch.einsum("bkgd,bkld->bkgl", qg, k) * scale  # (B, Hkv, G, L)
+        scores = scores.masked_fill_(~valid[:, None, None, :], _MASKED)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bkgl,bkld->bkgd", probs, v)  # (B, Hkv, G, D)
     return out.reshape(b, hq, d).to(q.dtype)
 
 
@@ -176,16 +178,17 @@ def prefill_attention(
     """
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
-    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
-    v, _ = _gather_rows(v_cache, slots, lengths)
-    query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
-    key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
-    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, None, :]  # (B, T, L)
-    qg = q.float().view(b, t, hkv, hq // hkv, d)  # (B, T, Hkv, G, D)
-    scores = torch.einsum("btkgd,bkld->bkgtl", qg, k) * scale  # (B, Hkv, G, T, L)
-    scores = scores.masked_fill_(~allowed[:, None, None], _MASKED)
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgtl,bkld->btkgd", probs, v)  # (B, T, Hkv, G, D)
+    with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
+        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+        v, _ = _gather_rows(v_cache, slots, lengths)
+        query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
+        key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
+        allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, None, :]  # (B, T, L)
+        qg = q.float().view(b, t, hkv, hq // hkv, d)  # (B, T, Hkv, G, D)
+        scores = torch.einsum("btkgd,bkld->bkgtl", qg, k) * scale  # (B, Hkv, G, T, L)
+        scores = scores.masked_fill_(~allowed[:, None, None], _MASKED)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bkgtl,bkld->btkgd", probs, v)  # (B, T, Hkv, G, D)
     return out.reshape(b, t, hq, d).to(q.dtype)
 
 

@@ -21,10 +21,11 @@ import torch
 from transformers.cache_utils import Cache
 
 from adapters import AdaptedModel
-from adapters.context import ExpertRecorder
+from adapters.amole_routing import ExpertRecorder
+from adapters.context import weight_matrix
 from serving.amole_router import batch_routing
 from serving.kv import SlotKV
-from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput, weight_matrix
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
 
 
 class SlotCache(Cache):
@@ -92,10 +93,10 @@ class HFRunner:
             if any(r.names or not r.plain for r in rows):
                 raise RuntimeError("adapters were requested but the model has none injected")
             return contextlib.nullcontext()
-        names, weights = weight_matrix(rows, self.device)
+        names, weights = weight_matrix([(r.names, r.weights) if r.plain else ((), ()) for r in rows], self.device)
         routing = batch_routing([r.amole for r in rows], recorder) if any(not r.plain for r in rows) else None
         if routing is not None:
-            return self.adapted.context.route_amole(routing, names, weights if names else None)
+            return self.adapted.context.route_tokens(routing, names, weights if names else None)
         if names:
             return self.adapted.context.use(names, weights)
         return contextlib.nullcontext()
@@ -113,15 +114,18 @@ class HFRunner:
 
     def _run(self, rows: Sequence[RowAdapters], ids: torch.Tensor, pos: torch.Tensor, write_slots: torch.Tensor,
              write_pos: torch.Tensor, read_slots: torch.Tensor, key_limit: torch.Tensor, length: int,
-             want_state: bool) -> StepOutput:
+             want_state: bool, every: Sequence[int] = ()) -> StepOutput:
         recorder = ExpertRecorder() if any(not r.plain for r in rows) else None
         cache = SlotCache(self.kv, write_slots, write_pos, read_slots, length)
         mask = self._mask(pos, key_limit, length)
         with self._context(rows, recorder), self.autocast():
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1, output_hidden_states=want_state)
+                             use_cache=True, logits_to_keep=0 if any(every) else 1, output_hidden_states=want_state)
         states = out.hidden_states[-1][:, -1].float() if want_state else None  # (B, H)
-        return StepOutput(logits=out.logits[:, -1], states=states, recorder=recorder)
+        # left padding: row b's n_b real positions are the last n_b columns
+        all_logits = [out.logits[b, out.logits.shape[1] - n:] if n else None for b, n in enumerate(every)] \
+            if any(every) else None
+        return StepOutput(logits=out.logits[:, -1], states=states, recorder=recorder, all_logits=all_logits)
 
     def prefill(self, rows: Sequence[PrefillRow]) -> StepOutput:
         """Run every row's chunk (left-padded into one batch); logits and states at each last token."""
@@ -139,7 +143,8 @@ class HFRunner:
             [r.adapters for r in rows], torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
             torch.tensor(wslot, device=dev).view(-1), torch.tensor(wpos, device=dev).view(-1),
             torch.tensor([r.slot for r in rows], device=dev), torch.tensor([r.end for r in rows], device=dev),
-            max(r.end for r in rows), any(r.want_state for r in rows))
+            max(r.end for r in rows), any(r.want_state for r in rows),
+            [len(r.tokens) if r.all_logits else 0 for r in rows])
 
     def decode(self, rows: Sequence[DecodeRow]) -> StepOutput:
         """One token per row."""

@@ -1,14 +1,13 @@
 """What one engine step hands a model runner: the rows to prefill or decode, and what comes back.
 
 A row is one sequence (one KV slot) with its adapter weights for this forward: names ``(K,)`` and
-weights ``(K,)``, one row of the per-row weight matrix of DESIGN.md's one contract, or an AMoLE route
-(paper 002 section 4.2: per-token routing inside the layers). :func:`weight_matrix` is the one place
-that turns a batch of rows into the ``(B, K)`` matrix over the union of their adapters.
+weights ``(K,)``, one row of the per-row weight matrix of the one contract (ARCHITECTURE.md), or an AMoLE route
+(paper 002 section 4.2: per-token routing inside the layers); :func:`adapters.context.weight_matrix`
+turns a batch of rows into the ``(B, K)`` matrix over the union of their adapters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +38,7 @@ class PrefillRow:
         start: position of ``tokens[0]`` (the slot already holds ``start`` positions).
         adapters: weights of this pass.
         want_state: return the final-layer state of the chunk's last token (FedDPA routing).
+        all_logits: return the logits of every position of the chunk (prompt log-probabilities).
     """
 
     slot: int
@@ -46,6 +46,7 @@ class PrefillRow:
     start: int
     adapters: RowAdapters = RowAdapters()
     want_state: bool = False
+    all_logits: bool = False
 
     @property
     def end(self) -> int:
@@ -71,34 +72,11 @@ class StepOutput:
         logits: (B, V) next-token logits at each row's last token (float32 not required).
         states: (B, H) float32 final-layer states of the last tokens, when asked for.
         recorder: the AMoLE expert recorder of the forward, when AMoLE rows took part.
+        all_logits: per row, (n, V) logits of every chunk position for rows that asked, else None.
     """
 
     logits: torch.Tensor
     states: torch.Tensor | None = None
     recorder: Any = None
+    all_logits: list[torch.Tensor | None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def weight_matrix(rows: Sequence[RowAdapters], device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> tuple[tuple[str, ...], torch.Tensor]:
-    """The union of the rows' adapter names and the ``(B, K)`` weights over it (AMoLE rows: zeros).
-
-    Args:
-        rows: each row's adapters.
-        device: where the matrix lives (the model's device).
-        dtype: its dtype.
-
-    Returns:
-        ``(names, weights)``; ``names`` in first-use order.
-    """
-    index: dict[str, int] = {}
-    for row in rows:
-        if row.plain:
-            for name in row.names:
-                index.setdefault(name, len(index))
-    matrix = [[0.0] * len(index) for _ in rows]
-    for b, row in enumerate(rows):
-        if row.plain:
-            for name, w in zip(row.names, row.weights, strict=True):
-                matrix[b][index[name]] = float(w)
-    return tuple(index), torch.tensor(matrix, dtype=dtype).reshape(len(rows), len(index)).to(device)

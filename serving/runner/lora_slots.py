@@ -1,6 +1,6 @@
 """Adapter slots on the device: the LoRA weights a decode step needs, stacked once, read in two GEMMs.
 
-The one contract (DESIGN.md) asks each adapted Linear for ``y = W0 x + sum_k w[b, k] s_k B_k A_k x``.
+The one contract (ARCHITECTURE.md) asks each adapted Linear for ``y = W0 x + sum_k w[b, k] s_k B_k A_k x``.
 With the step's adapters placed in ``S`` slots, every projection group of a layer (q/k/v share
 their input, so do gate/up) keeps one stack ``A`` of shape ``(S * n_t * r, d_in)`` (slot-major, then
 target, then rank) and one ``Bt`` of shape ``(S * n_t * r, d_out)`` whose rows put each target's

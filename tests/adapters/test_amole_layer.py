@@ -9,8 +9,8 @@ import torch
 from adapters import AdapterError, LoraConfig, inject
 from adapters.amole import amole_forward
 from adapters.amole_layer import SHARED, add_amole_experts, amole_parameters, expert_name, token_proj_state
-from adapters.context import AMoLEExperts, AMoLERouting, ExpertRecorder
-from fedmosaic.models import LoadedModel
+from adapters.amole_routing import AMoLEExperts, AMoLERouting, ExpertRecorder
+from models import LoadedModel
 
 IDS = torch.tensor([[5, 17, 33, 8], [9, 10, 11, 12], [3, 4, 5, 6]])
 
@@ -33,7 +33,7 @@ def assignment(adapted, ids):  # noqa: ANN001, ANN201
 
 def run(adapted, groups, row_group, **kw):  # noqa: ANN001, ANN003, ANN201
     routing = AMoLERouting(groups=tuple(groups), row_group=torch.tensor(row_group), **kw)
-    with torch.no_grad(), adapted.context.route_amole(routing):
+    with torch.no_grad(), adapted.context.route_tokens(routing):
         return adapted.model(IDS).logits
 
 
@@ -58,7 +58,7 @@ def test_layer_matches_the_pure_function(amole) -> None:  # noqa: ANN001
     path, layer = next(iter(amole.layers.items()))
     x = torch.randn(2, 3, layer.in_features)
     routing = AMoLERouting(groups=({path: (0, 1, 4)},), row_group=torch.tensor([0, 0]))
-    with torch.no_grad(), amole.context.route_amole(routing):
+    with torch.no_grad(), amole.context.route_tokens(routing):
         got = layer(x)
     ex = [layer.adapters[expert_name(j)] for j in (0, 1, 4)]
     sh = layer.adapters[SHARED]
@@ -70,7 +70,7 @@ def test_layer_matches_the_pure_function(amole) -> None:  # noqa: ANN001
 def test_stats_and_gradients_for_training(amole) -> None:  # noqa: ANN001
     amole.model.train()
     routing = AMoLERouting(groups=(assignment(amole, (0, 1, 2)),), row_group=torch.tensor([0, 0, 0]))
-    with amole.context.route_amole(routing):
+    with amole.context.route_tokens(routing):
         loss = amole.model(IDS, labels=IDS).loss
     loss.backward()
     assert len(routing.stats) == len(amole.layers)
@@ -92,7 +92,7 @@ def test_routing_errors(amole) -> None:  # noqa: ANN001
 
 def test_save_and_load_round_trip(amole, tiny: LoadedModel, tmp_path) -> None:  # noqa: ANN001
     from adapters.amole_io import load_amole, save_amole
-    from fedmosaic.tiny import tiny_llama
+    from models import tiny_llama
 
     groups = {"c0": assignment(amole, (0, 2)), "c1": assignment(amole, (1, 3, 4))}
     save_amole(amole, tmp_path / "am", num_experts=5, assignments=groups)
@@ -154,7 +154,7 @@ def test_rows_outside_amole_share_the_batch(amole) -> None:  # noqa: ANN001
             layer.adapters["plain"].lora_B.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
     routing = AMoLERouting(groups=(a,), row_group=torch.tensor([0, -1, -1]))
     weights = torch.tensor([[0.0], [1.0], [0.0]])  # row 1: the plain adapter; row 2: base model
-    with torch.no_grad(), amole.context.route_amole(routing, ("plain",), weights):
+    with torch.no_grad(), amole.context.route_tokens(routing, ("plain",), weights):
         mixed = amole.model(IDS).logits
     alone = run(amole, [a], [0, 0, 0])
     with torch.no_grad(), amole.context.single("plain", 3):
@@ -191,7 +191,7 @@ def test_a_damaged_amole_folder_is_refused_by_name_before_the_model_changes(amol
     from safetensors.torch import load_file, save_file
 
     from adapters.amole_io import load_amole, read_amole, save_amole
-    from fedmosaic.tiny import tiny_llama
+    from models import tiny_llama
 
     folder = save_amole(amole, tmp_path / "am", num_experts=5, assignments={"c0": assignment(amole, (0, 2))})
     raw = json.loads((folder / "assignments.json").read_text())
@@ -235,7 +235,7 @@ def _union_and_per_client(amole, dtype: torch.dtype):  # noqa: ANN001, ANN202
     for grad in (False, True):
         recorder = ExpertRecorder()
         routing = AMoLERouting(groups=tuple(groups), row_group=row_group, recorder=recorder)
-        with torch.set_grad_enabled(grad), amole.context.route_amole(routing):
+        with torch.set_grad_enabled(grad), amole.context.route_tokens(routing):
             outputs.append(amole.model(ids).logits.detach().float())
         counts.append(recorder.counts(list(amole.layers), 5, 8))
     amole.model.to(torch.float32)

@@ -20,7 +20,7 @@ from adapters import (
     load_adapter,
     save_adapter,
 )
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 
 IDS = torch.tensor([[5, 17, 33, 8, 90, 4], [9, 10, 11, 12, 13, 14], [3, 4, 5, 6, 7, 8]])
 
@@ -139,7 +139,7 @@ def test_concat_export_equals_weighted_sum_and_loads_in_peft(adapted: AdaptedMod
         torch.testing.assert_close(peft_model(IDS).logits, mixed, atol=1e-5, rtol=1e-5)
 
 
-def _corrupt(src: Path, dst: Path, edit_state=None, edit_config=None) -> Path:  # noqa: ANN001
+def _corrupt(src: Path, dst: Path, edit_state=None, edit_config=None) -> Path:
     dst.mkdir()
     state = load_file(str(src / "adapter_model.safetensors"))
     config = json.loads((src / "adapter_config.json").read_text())
@@ -156,17 +156,17 @@ def test_load_errors_name_the_problem(adapted: AdaptedModel, tmp_path: Path) -> 
     good = save_adapter(adapted, "global", tmp_path / "good")
     first = sorted(load_file(str(good / "adapter_model.safetensors")))[0]
 
-    def drop(s):  # noqa: ANN001, ANN202
+    def drop(s):
         return {k: v for k, v in s.items() if k != first}
 
-    def extra(s):  # noqa: ANN001, ANN202
+    def extra(s):
         return {**s, "base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)}
 
-    def nan(s):  # noqa: ANN001, ANN202
+    def nan(s):
         s[first] = torch.full_like(s[first], float("nan"))
         return s
 
-    def rank(s):  # noqa: ANN001, ANN202
+    def rank(s):
         return {k: (v[:2] if ".lora_A." in k else v[:, :2]).contiguous() for k, v in s.items()}
 
     cases = {

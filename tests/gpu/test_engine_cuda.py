@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from adapters import LoraConfig, inject
-from fedmosaic.models import LoadedModel
-from fedmosaic.tiny import tiny_llama
+from models import LoadedModel, tiny_llama
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest
 from serving.runner.inputs import RowAdapters
@@ -48,7 +47,7 @@ def requests(n: int = 12) -> list[GenerationRequest]:
             for p, (names, w) in zip(PROMPTS, MIXES, strict=True)]
 
 
-def hf_greedy(loaded: LoadedModel, adapted, req: GenerationRequest) -> list[int]:  # noqa: ANN001
+def hf_greedy(loaded: LoadedModel, adapted, req: GenerationRequest) -> list[int]:
     enc = loaded.tokenizer(req.prompt, return_tensors="pt", add_special_tokens=False).to("cuda")
     ctx = (adapted.context.use(req.adapter_names, torch.tensor([req.adapter_weights], device="cuda"))
            if req.adapter_names else contextlib.nullcontext())

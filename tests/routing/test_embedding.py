@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adapters import AdaptedModel, LoraConfig, inject
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from routing import RoutingError, embed_prompts, last_token_state
 
 PROMPTS = ["hello there", "a much longer prompt about federated adapters and routing", "x y"]

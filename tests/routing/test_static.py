@@ -1,31 +1,32 @@
-"""Static decisions, the RoutingDecision contract and stacking a batch's decisions."""
+"""Static decisions, the RoutingDecision contract, the fixed router and the batch's weight matrix."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from adapters import AdapterError, weight_matrix
 from routing import (
+    FixedWeightRouter,
     RoutingDecision,
     RoutingError,
-    RoutingInput,
-    StaticRouter,
+    WeightRouter,
     base_model,
     fixed_feddpa,
     mixture,
     single,
-    stack_decisions,
 )
 
 
 def test_single_base_and_fixed() -> None:
     assert single("global").names == ("global",) and single("global").weights.tolist() == [1.0]
     assert base_model().names == () and base_model().row(2).shape == (2, 0)
-    d = fixed_feddpa(0.3)
-    assert d.names == ("global", "local") and d.info["a"] == 0.3
-    torch.testing.assert_close(d.weights, torch.tensor([0.7, 0.3]))
-    router = StaticRouter(d)
-    assert router.route(RoutingInput()) is d and not router.needs_representation
+    d = fixed_feddpa(0.3, "bob")
+    assert d.names == ("global", "bob:local") and d.info["alpha"] == 0.3
+    torch.testing.assert_close(d.weights, torch.tensor([0.7, 0.3], dtype=torch.float64))
+    router = FixedWeightRouter(0.3)
+    assert isinstance(router, WeightRouter) and not router.uses_state
+    assert router("bob", None).names == d.names and router("bob", None).weights.tolist() == d.weights.tolist()
 
 
 def test_mixture_accepts_scales_and_per_token_weights() -> None:
@@ -49,14 +50,12 @@ def test_mixture_accepts_scales_and_per_token_weights() -> None:
         (lambda: mixture(["a"], ["x"]), "numbers"),  # type: ignore[list-item]
         (lambda: single(""), "non-empty"),
         (lambda: single("nope", known=("global",)), "unknown adapter"),
-        (lambda: fixed_feddpa(1.2), "fixed FedDPA weight a"),
-        (lambda: fixed_feddpa(float("nan")), "fixed FedDPA weight a"),
-        (lambda: fixed_feddpa(0.5, "g", "g"), "unique"),
+        (lambda: fixed_feddpa(1.2, "c"), "fixed FedDPA weight a"),
+        (lambda: fixed_feddpa(float("nan"), "c"), "fixed FedDPA weight a"),
+        (lambda: FixedWeightRouter(-0.5), "alpha"),
         (lambda: RoutingDecision(("a",), torch.ones(2)), "K=1"),
         (lambda: RoutingDecision(("a",), [1.0]), "torch.Tensor"),  # type: ignore[arg-type]
         (lambda: RoutingDecision(("a",), torch.tensor([float("nan")])), "NaN"),
-        (lambda: stack_decisions([]), "at least one"),
-        (lambda: stack_decisions([mixture(["a"], torch.ones(2, 1))]), "whole-request"),
         (lambda: mixture(["a"], torch.ones(2, 1)).row(), "per-token"),
     ],
 )
@@ -67,7 +66,7 @@ def test_validation_errors_name_the_problem(call: object, message: str) -> None:
 
 def test_decision_is_immutable_and_renamable() -> None:
     info = {"a": 0.3}
-    d = fixed_feddpa(0.3)
+    d = fixed_feddpa(0.3, "bob")
     with pytest.raises(AttributeError):
         d.names = ("x",)  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -75,13 +74,15 @@ def test_decision_is_immutable_and_renamable() -> None:
     d2 = RoutingDecision(("g",), torch.ones(1), info)
     info["a"] = 9.0
     assert d2.info["a"] == 0.3
-    r = d.renamed({"local": "alice:local"})
-    assert r.names == ("global", "alice:local") and r.as_dict()["info"]["a"] == 0.3
+    r = d.renamed({"bob:local": "alice:local"})
+    assert r.names == ("global", "alice:local") and r.as_dict()["info"]["alpha"] == 0.3
 
 
-def test_stack_decisions_builds_the_batch_matrix() -> None:
-    names, w = stack_decisions([fixed_feddpa(0.25), single("bob:local"), base_model(),
-                                fixed_feddpa(0.5).renamed({"local": "bob:local"})])
-    assert names == ("global", "local", "bob:local")
+def test_the_weight_matrix_of_a_batch_of_decisions() -> None:
+    decisions = [fixed_feddpa(0.25, "ann"), single("bob:local"), base_model(), fixed_feddpa(0.5, "bob")]
+    names, w = weight_matrix([(d.names, d.weights.tolist()) for d in decisions])
+    assert names == ("global", "ann:local", "bob:local")
     torch.testing.assert_close(w, torch.tensor([[0.75, 0.25, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0],
                                                 [0.5, 0.0, 0.5]]))
+    with pytest.raises(AdapterError, match="unique adapter names"):
+        weight_matrix([(("a", "a"), (1.0, 1.0))])

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from adapters import AdaptedModel, LoraConfig, inject, save_adapter
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 
 CONFIG = LoraConfig(r=4, alpha=8.0, dropout=0.0)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from adapters import inject
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.adapter_pool import AdapterPool
 from serving.engine import Engine
 from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, NoFreeSlot, PathNotAllowed

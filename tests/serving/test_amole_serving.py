@@ -15,9 +15,8 @@ from fastapi.testclient import TestClient
 from adapters import LoraConfig, inject
 from adapters.amole_io import load_amole, save_amole
 from adapters.amole_layer import add_amole_experts
-from adapters.context import AMoLERouting, ExpertRecorder
-from fedmosaic.models import LoadedModel
-from fedmosaic.tiny import tiny_llama
+from adapters.amole_routing import AMoLERouting, ExpertRecorder
+from models import LoadedModel, tiny_llama
 from serving.adapter_pool import AdapterPool
 from serving.api.app import create_app
 from serving.engine import Engine
@@ -83,8 +82,10 @@ def request(served: tuple[Engine, AdapterPool, TargetResolver], model: str, n: i
     plan = resolver.resolve(model)
     lease = pool.acquire(plan.names)
     lease.release()
-    return GenerationRequest(prompt=prompt or PROMPTS.get(model, "Convert 5 km"), sampling=greedy(n),
-                             adapter_names=lease.names, adapter_weights=plan.weights)
+    text = prompt or PROMPTS.get(model, "Convert 5 km")
+    if lease.route is not None:  # an AMoLE client: the typed route, no plain adapters
+        return GenerationRequest(prompt=text, sampling=greedy(n), route=lease.route)
+    return GenerationRequest(prompt=text, sampling=greedy(n), adapter_names=lease.names, adapter_weights=plan.weights)
 
 
 def direct_greedy(folder: Path, client: str, prompt: str, n: int) -> tuple[list[int], torch.Tensor]:
@@ -100,7 +101,7 @@ def direct_greedy(folder: Path, client: str, prompt: str, n: int) -> tuple[list[
         recorder = ExpertRecorder()
         routing = AMoLERouting(groups=(assignments[client],), row_group=torch.tensor([0]), top_k=top_k,
                                recorder=recorder)
-        with torch.inference_mode(), adapted.context.route_amole(routing):
+        with torch.inference_mode(), adapted.context.route_tokens(routing):
             logits = tiny.model(torch.tensor([ids + out])).logits[0, -1]
         usage += recorder.counts(paths, NUM_EXPERTS, 1, last_token=True)[0]
         out.append(int(logits.argmax()))
@@ -200,10 +201,14 @@ def test_usage_counts_per_layer_in_a_shared_batch(served) -> None:  # noqa: ANN0
 
 def test_request_errors(served) -> None:  # noqa: ANN001
     engine, pool, resolver = served
-    with pytest.raises(AdapterNotFound):
-        engine.submit(GenerationRequest(prompt="x", adapter_names=("amole@1/nobody",), adapter_weights=(1.0,)))
-    with pytest.raises(InvalidRequest, match="alone, at weight 1"):
-        engine.submit(GenerationRequest(prompt="x", adapter_names=("amole@1/c0",), adapter_weights=(0.5,)))
+    with pytest.raises(AdapterNotFound):  # a route is a typed field, never an encoded adapter name
+        engine.submit(GenerationRequest(prompt="x", adapter_names=("amole@1/c0",), adapter_weights=(1.0,)))
+    route = pool.acquire(["c0"])
+    route.release()
+    with pytest.raises(ValueError, match="routes every token itself"):
+        GenerationRequest(prompt="x", route=route.route, adapter_names=("plain@1",), adapter_weights=(1.0,))
+    with pytest.raises(InvalidRequest, match="request it alone"):
+        pool.acquire(["c0", "plain"])
     with pytest.raises(InvalidRequest, match="AMoLE clients"):
         resolver.resolve("tiny", [("c0", 1.0), ("plain", 0.5)])
     with pytest.raises(AdapterExists, match="clashes"):
@@ -218,8 +223,7 @@ def test_hot_reload_keeps_in_flight_requests_on_their_version(served, root: Path
     engine, pool, resolver = served
     v1 = engine.generate([request(served, "c0", 8)])[0]
     lease = pool.acquire(["c0"])
-    handle = engine.submit(GenerationRequest(prompt=PROMPTS["c0"], sampling=greedy(8), adapter_names=lease.names,
-                                             adapter_weights=(1.0,)))
+    handle = engine.submit(GenerationRequest(prompt=PROMPTS["c0"], sampling=greedy(8), route=lease.route))
     handle.add_done_callback(lease.release)
     engine.step()
     engine.step()
@@ -234,7 +238,7 @@ def test_hot_reload_keeps_in_flight_requests_on_their_version(served, root: Path
     v2 = engine.generate([request(served, "c0", 8)])[0]
     want, _ = direct_greedy(root / "v2", "c0", PROMPTS["c0"], 8)
     assert list(v2.token_ids) == want and v2.route_info["version"] == 2 and v2.token_ids != v1.token_ids
-    pool.unload("amole")
+    pool.unload("amole", force=True)
     assert resolver.models() == ["tiny", "plain"] and not [n for n in engine.adapted.configs if "/" in n]
 
 
@@ -260,7 +264,7 @@ def wait_ready(client: TestClient) -> None:
 
 
 def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:
-    settings = ServeSettings(model="tiny", run_dir=trained_run)
+    settings = ServeSettings(model="tiny", run_dir=trained_run, allow_runtime_lora=True)
     with TestClient(create_app(settings)) as client:
         wait_ready(client)
         cards = client.get("/v1/models").json()["data"]
@@ -279,8 +283,11 @@ def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:
         events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
         assert events[-1]["fedmosaic"]["info"]["expert_usage"]["counts"] == usage["counts"]
         assert client.post("/v1/chat/completions", json={**chat, "model": "global"}).status_code == 404
-        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole"}).status_code == 200
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole"}).status_code == 409  # pinned
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole", "force": True}).status_code == 200
         assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["tiny"]
+        taken = client.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(trained_run)})
+        assert taken.status_code == 400 and taken.json()["error"]["code"] == "name_reserved"  # the run's clients
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "amole", "lora_path": str(trained_run)})
         assert loaded.status_code == 200 and "version 2" in loaded.text
         again = client.post("/v1/chat/completions", json=chat).json()

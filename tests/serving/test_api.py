@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.api import create_app
 from serving.settings import ServeSettings
 from tests.serving.helpers import write_adapter
@@ -46,7 +46,7 @@ def wait_ready(client: TestClient) -> None:
 
 @pytest.fixture(scope="module")
 def settings(root: Path) -> ServeSettings:
-    return ServeSettings(model="tiny", run_dir=root / "run", adapter_root=root, api_keys=[KEY], max_tokens_limit=64,
+    return ServeSettings(model="tiny", run_dir=root / "run", adapter_root=root, admin_keys=[KEY], max_tokens_limit=64,
                          max_body_bytes=4096)
 
 
@@ -127,7 +127,7 @@ def test_error_paths(client: TestClient) -> None:
     assert_error(client.post("/v1/chat/completions", json=big), 413, "request_too_large")
     error = assert_error(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 65}), 400)
     assert error["param"] == "max_tokens"
-    assert_error(client.post("/v1/chat/completions", json={**CHAT, "n": 2}), 400)
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "n": 200}), 400)
     assert_error(client.post("/v1/chat/completions", json={**CHAT, "adapters": [{"name": "nope", "weight": 1}]}), 404)
     assert_error(client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"}), 401)
     assert_error(client.get("/v1/models", headers={"Authorization": ""}), 401, "unauthorized")

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fedmosaic.cli import main
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.api import create_app
 from serving.batch import BatchConfig, parse_line, run_batch
 from serving.engine import EngineConfig
@@ -114,7 +114,7 @@ def test_batch_file_in_openai_format(stack: ServingStack, run_dir: Path, tmp_pat
     assert not (tmp_path / "out.jsonl.partial").exists()
 
     # the same request over HTTP gets the same answer (the builders are shared)
-    with TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir))) as client:
+    with TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, routing_details="all"))) as client:
         for _ in range(300):
             if client.get("/health").status_code == 200:
                 break
@@ -179,3 +179,24 @@ def test_a_relative_run_directory_loads_from_the_working_directory(run_dir: Path
     monkeypatch.chdir(run_dir.parent)
     relative = build_stack(StackConfig(model="tiny", run_dir=Path(run_dir.name), feddpa_routing="fixed"))
     assert {"global", "0:local", "1:local"} <= set(relative.pool.names())
+
+
+def test_a_line_with_several_choices_and_logprobs_matches_http(stack: ServingStack, run_dir: Path,
+                                                              tmp_path: Path) -> None:
+    body = {"model": "global", "prompt": ["Sort: pear, apple", "Capital of Peru?"], "n": 2, "max_tokens": 3,
+            "temperature": 0, "logprobs": 1, "echo": True}
+    src = tmp_path / "in.jsonl"
+    src.write_text(line("multi", body, "/v1/completions") + "\n")
+    run_batch(stack, stack.loaded.tokenizer, src, tmp_path / "out.jsonl", progress=False)
+    got = json.loads((tmp_path / "out.jsonl").read_text())["response"]["body"]
+    assert "choices" in got, got
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    with TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, routing_details="all"))) as client:
+        for _ in range(300):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        http = client.post("/v1/completions", json=body).json()
+    assert [c["text"] for c in http["choices"]] == [c["text"] for c in got["choices"]]
+    assert [c["logprobs"]["tokens"] for c in http["choices"]] == [c["logprobs"]["tokens"] for c in got["choices"]]
+    assert http["usage"] == got["usage"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.errors import AdapterNotFound, InvalidRequest
 from serving.request import GenerationRequest

@@ -11,25 +11,15 @@ import dataclasses
 
 import pytest
 
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest
 from serving.sampling import SamplingParams
 from tests.serving.helpers import adapted_with
 
-# Found by bench/serve_throughput.py on SmolLM2 after the kernels merge (5131a58): every request fails
-# with 500 under the default dtype. Two faults of serving/kernels/reference.py under the runner's autocast:
-# 1. rotary_kv_write: q/k/v come out of the projections in bf16 but the runner's cos/sin are fp32 (the
-#    residual stream's dtype), so the rotated keys are fp32 and the index_put into the bf16 cache raises
-#    "Index put requires the source and destination dtypes match". Fix:
-#        k_cache[slots, :, positions] = k_rot.to(k_cache.dtype)
-#        v_cache[slots, :, positions] = v.to(v_cache.dtype)
-# 2. decode_attention / prefill_attention: autocast runs the float32 einsums in bf16, so masked_fill_
-#    with finfo(float32).min raises "value cannot be converted to type c10::BFloat16 without overflow"
-#    (and the scores lose the float32 the reference promises). Fix: wrap the einsum/mask/softmax/einsum
-#    block of both in ``with torch.autocast(q.device.type, enabled=False):``.
-# With both (the exact diff is in the branch's report) these tests pass; drop the xfail then.
-AUTOCAST_BUG = pytest.mark.xfail(strict=True, reason="engine bug: reference kernels under autocast-bf16 (above)")
+# Regression: found by bench/serve_throughput.py on SmolLM2, every request failed with 500 under the
+# default dtype (reference kernels wrote fp32 rotated keys into the bf16 cache and masked bf16 scores
+# with the float32 minimum).
 
 
 @pytest.fixture()
@@ -38,7 +28,6 @@ def autocast_tiny(tiny: LoadedModel) -> LoadedModel:
     return dataclasses.replace(tiny, dtype="autocast-bf16")
 
 
-@AUTOCAST_BUG
 @pytest.mark.parametrize("names", [(), ("g", "l1")])
 def test_autocast_requests_complete(autocast_tiny: LoadedModel, names: tuple[str, ...]) -> None:
     """Base and adapter requests finish normally (not 500) when the engine computes in bf16."""

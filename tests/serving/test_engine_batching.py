@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.kv import SlotKV
 from serving.request import GenerationRequest
 from serving.runner.hf import HFRunner
-from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, weight_matrix
+from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
 from serving.runner.llama import LlamaRunner, unsupported_reason
 from serving.sampling import SamplingParams, TextTracker, filter_logits, sample_batch
 from tests.serving.helpers import adapted_with
@@ -137,12 +137,6 @@ def test_unsupported_models_are_named() -> None:
     assert "model type" in str(unsupported_reason(torch.nn.Linear(2, 2), 16))
 
 
-def test_weight_matrix_is_the_union_of_the_rows() -> None:
-    names, w = weight_matrix([RowAdapters(("a", "b"), (0.5, 0.5)), RowAdapters(("b",), (1.0,)), RowAdapters()])
-    assert names == ("a", "b")
-    assert w.tolist() == [[0.5, 0.5], [0.0, 1.0], [0.0, 0.0]]
-
-
 def test_filter_logits_matches_a_naive_loop() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 40, generator=gen)
@@ -192,3 +186,23 @@ def test_incremental_text_equals_a_full_decode(tokenizer: object, stop: tuple[st
         hits = [i for i in (full.find(s) for s in stop) if i >= 0]
         want = full[: min(hits)] if hits else full
         assert "".join(deltas) == tracker.text == want
+
+
+@pytest.mark.parametrize("policy", ["autocast-bf16", "bfloat16"])
+def test_bf16_policies_run_fused_close_to_the_hf_forward(tiny: LoadedModel, policy: str) -> None:
+    """The CPU default (fp32 weights, bf16 autocast) and a bf16 model: fused logits within bf16 rounding of HF's."""
+    if policy == "bfloat16":
+        tiny.model.to(torch.bfloat16)
+    loaded = LoadedModel(model=tiny.model, tokenizer=tiny.tokenizer, name=tiny.name, dtype=policy)  # type: ignore[arg-type]
+    adapted = adapted_with(loaded)
+    fused = Engine(loaded, adapted, EngineConfig(runner="fused"))
+    hf = Engine(loaded, adapted, EngineConfig(runner="hf"))
+    assert fused.kv.dtype == torch.bfloat16
+    tokens = [tuple(tiny.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in PROMPTS]
+    rows = [PrefillRow(i, t, 0, m) for i, (t, m) in enumerate(zip(tokens, MIXES, strict=True))]
+    with torch.inference_mode():
+        a = hf.executor.hf.prefill(rows).logits.float()
+        b = fused.executor.fast.prefill(rows).logits.float()  # type: ignore[union-attr]
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()
+    results = fused.generate(requests(6))
+    assert all(r.finish_reason == "length" and r.completion_tokens == 6 for r in results)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.errors import EngineNotReady, InvalidRequest
 from serving.request import GenerationRequest

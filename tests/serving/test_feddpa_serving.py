@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.api.app import create_app
 from serving.settings import ServeSettings
 from training.data import generate_suite
@@ -27,8 +27,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def serve(run_dir: Path, routing: str) -> TestClient:
-    return TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, feddpa_routing=routing)))
+def serve(run_dir: Path, routing: str, **settings: object) -> TestClient:
+    return TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, feddpa_routing=routing,
+                                               **settings)))  # type: ignore[arg-type]
 
 
 def ready(client: TestClient) -> None:
@@ -40,7 +41,7 @@ def ready(client: TestClient) -> None:
 
 
 def test_instance_weights_follow_the_paper_rule(run_dir: Path) -> None:
-    with serve(run_dir, "instance") as client:
+    with serve(run_dir, "instance", routing_details="all") as client:
         ready(client)
         body = client.post("/v1/chat/completions", json={
             "model": "sorting", "max_tokens": 3, "temperature": 0,
@@ -72,9 +73,51 @@ def test_seeded_random_draws_depend_on_the_prompt_not_on_request_order(run_dir: 
     width = tiny_llama().model.config.hidden_size
     states = [torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in range(6)]
     first = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)
-    forward = [first("sorting", s)[1]["mean_similarity"] for s in states]
+    forward = [first("sorting", s).info["mean_similarity"] for s in states]
     again = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)  # e.g. a resumed evaluation
-    backward = [again("sorting", s)[1]["mean_similarity"] for s in reversed(states)]
+    backward = [again("sorting", s).info["mean_similarity"] for s in reversed(states)]
     assert forward == backward[::-1]
     other = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=1)
-    assert [other("sorting", s)[1]["mean_similarity"] for s in states] != forward  # the seed matters
+    assert [other("sorting", s).info["mean_similarity"] for s in states] != forward  # the seed matters
+
+
+SORT = {"model": "sorting", "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}
+
+
+def test_routing_details_are_for_admin_keys_by_default(run_dir: Path) -> None:
+    """Privacy default: a user sees the mode and the weights, never the similarity to stored instances."""
+    with serve(run_dir, "instance", api_keys=["user"], admin_keys=["admin"]) as client:
+        ready(client)
+        user = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer user"}).json()
+        admin = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer admin"}).json()
+    assert user["fedmosaic"]["info"] == {"source": "instance", "mode": "random"}
+    assert user["fedmosaic"]["weights"] == admin["fedmosaic"]["weights"]  # the weights are the response's own
+    assert {"mean_similarity", "S", "lambda", "a"} <= set(admin["fedmosaic"]["info"])
+    with serve(run_dir, "instance", routing_details="none", admin_keys=["admin"]) as client:
+        ready(client)
+        hidden = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer admin"}).json()
+    assert "mean_similarity" not in hidden["fedmosaic"]["info"]
+
+
+def test_a_reloaded_clients_index_is_read_again(run_dir: Path, tmp_path: Path) -> None:
+    """The router's cache key follows the adapter version: new embeddings count from the reload on."""
+    import shutil
+
+    from routing.cache import EmbeddingIndex
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    folder = run / "adapters" / "clients" / "sorting"
+    with serve(run, "instance", routing_details="all", admin_keys=["admin"]) as client:
+        ready(client)
+        auth = {"Authorization": "Bearer admin"}
+        before = client.post("/v1/chat/completions", json=SORT, headers=auth).json()["fedmosaic"]["info"]
+        EmbeddingIndex(-EmbeddingIndex.load(folder).raw).save(folder)  # retrained: other instances
+        cached = client.post("/v1/chat/completions", json=SORT, headers=auth).json()["fedmosaic"]["info"]
+        assert cached["mean_similarity"] == before["mean_similarity"]  # same version: the cached index
+        reload = client.post("/v1/load_lora_adapter", headers=auth, json={
+            "lora_name": "sorting:local", "lora_path": "adapters/clients/sorting/local", "load_inplace": True})
+        assert reload.status_code == 200, reload.text
+        after = client.post("/v1/chat/completions", json=SORT, headers=auth).json()["fedmosaic"]["info"]
+    assert after["mean_similarity"] == pytest.approx(-before["mean_similarity"], abs=1e-5)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from adapters import inject
-from fedmosaic.models import LoadedModel
+from models import LoadedModel
+from routing import RoutingDecision
 from serving.adapter_pool import AdapterPool
 from serving.cli import add_serve_arguments, settings_from_args
 from serving.engine import Engine
@@ -27,11 +28,12 @@ class RecordingRouter:
     def __init__(self) -> None:
         self.states: list[torch.Tensor] = []
 
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> tuple[dict[str, float], dict[str, float]]:
+    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision:
         assert hidden_state is not None
         self.states.append(hidden_state)
         a = 0.3
-        return {"global": 1 - a, f"{client}:local": a}, {"alpha": a}
+        weights = torch.tensor([1 - a, a], dtype=torch.float64)
+        return RoutingDecision(("global", f"{client}:local"), weights, {"alpha": a})
 
 
 def test_router_weights_reach_the_decode(tiny: LoadedModel, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adapters import LoraConfig, inject, load_adapter, save_adapter
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from serving.adapter_pool import RunInfo
 from serving.stack import ServingStack, StackConfig, build_stack
 from serving.vllm_backend import (
@@ -23,6 +23,7 @@ from serving.vllm_backend import (
     choose_backend,
     quantise,
     refuse_amole,
+    unsupported_sampling,
     vllm_importable,
     vllm_rank,
 )
@@ -118,3 +119,11 @@ def test_amole_runs_are_refused(stack: ServingStack, run_dir: Path, tmp_path: Pa
     if not vllm_importable():
         with pytest.raises(BackendUnavailable, match="vllm package"):
             VLLMBackend(stack, tmp_path / "levels")
+
+
+def test_log_probabilities_are_refused_not_dropped() -> None:
+    from serving.sampling import SamplingParams
+
+    assert unsupported_sampling(SamplingParams(presence_penalty=1.0, logit_bias=((3, 1.0),), min_tokens=2)) is None
+    assert unsupported_sampling(SamplingParams(logprobs=0)) == "logprobs"
+    assert unsupported_sampling(SamplingParams(prompt_logprobs=1)) == "prompt_logprobs"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmosaic import settings
+from models import settings
 from training.data import (
     IGNORE,
     DataError,

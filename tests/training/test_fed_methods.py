@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from training.algorithms import get_method
 from training.algorithms.feddpa import FedDPATClient
 from training.algorithms.fedmcp import FedMCPClient, fedmcp_loss

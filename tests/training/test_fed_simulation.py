@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 
 from adapters import read_adapter_folder
 from adapters.rundir import RunDir
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from routing.embedding import embed_prompts
 from training.data import PromptConfig, generate_suite, prompt_texts, split_tasks
+from training.rounds import select_clients
 from training.runtime import Runtime, preset
-from training.simulation import SimConfig, run_federated, select_clients
+from training.simulation import SimConfig, run_federated
 
 FAMILIES = ["sorting", "capitals"]
 DATA = generate_suite(n_train=5, n_test=1, families=FAMILIES)

@@ -15,7 +15,7 @@ from adapters.amole_io import load_amole
 from adapters.amole_layer import SHARED
 from adapters.rundir import RunDir
 from fedmosaic.cli import main
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from training.algorithms.fedamole import EMB, FedAMoLEClient, FedAMoLEStrategy, _cfg
 from training.data import generate_suite
 from training.protocol import ClientContext, FitRes, derive_seed

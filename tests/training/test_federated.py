@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from adapters.rundir import RunDir
 from fedmosaic.cli import main
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from training.aggregate import aggregate_results, weighted_average
 from training.algorithms import ALGORITHMS
 from training.algorithms.feddpa import FedDPATClient

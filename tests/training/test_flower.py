@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from adapters import inject
 from adapters.amole_io import load_amole
 from adapters.rundir import RunDir
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from routing.cache import EmbeddingIndex
 from training.algorithms.fedamole import FedAMoLEStrategy, _cfg, subset
 from training.data import generate_suite
@@ -108,6 +108,7 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
         np.testing.assert_allclose(EmbeddingIndex.load(flower.client_dir(client)).raw,
                                    EmbeddingIndex.load(local.client_dir(client)).raw, atol=1e-5)
     assert (flower.round_dir(1) / "COMPLETE").is_file()
+    assert flower.read_config()["device"] == local.read_config()["device"] == "cpu"  # the run records its device
 
 
 def _rows(run: RunDir) -> dict[tuple[int, str], dict]:
@@ -184,7 +185,7 @@ def test_pfedseq_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> N
 def test_nodes_and_server_see_the_simulators_split_and_per_task_sampling() -> None:
     from training.data import split_tasks
     from training.flower import _dataset
-    from training.simulation import select_clients
+    from training.rounds import select_clients
 
     cfg = FlowerConfig.from_run_config({"data": "generated", "data-options": json.dumps(DATA_OPTIONS),
                                         "clients-per-task": 2, "sample-rate": 0.5, "seed": 3})

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from adapters import LoraConfig
 from adapters.rundir import RunDir
-from fedmosaic.tiny import tiny_llama
+from models import tiny_llama
 from training.algorithms import get_method
 from training.algorithms.pfedseq import RECEIVED, PFedSeqClient, PFedSeqConfig, PFedSeqStrategy, checksum
 from training.checkpoint import load_round, save_round
@@ -28,7 +28,7 @@ from training.simulation import SimConfig, run_federated
 CLIENTS = ["a", "b", "c"]
 
 
-def _scan_reference(u, delta, A, B, C, D, z, delta_bias):  # noqa: ANN001, ANN202
+def _scan_reference(u, delta, A, B, C, D, z, delta_bias):
     """h_j = exp(dt_j A) h_{j-1} + dt_j B_j u_j; y_j = C_j . h_j + D u_j; y_j *= silu(z_j), one scalar at a time."""
     b, d, steps = u.shape
     n = A.shape[1]
@@ -59,7 +59,7 @@ def test_selective_scan_equals_the_step_by_step_recurrence() -> None:
     assert torch.allclose(y.double(), ref, atol=1e-5)
 
 
-def _scan_autograd(u, delta, A, B, C):  # noqa: ANN001, ANN202
+def _scan_autograd(u, delta, A, B, C):
     """The same recurrence through plain autograd (float64), for the hand-written backward."""
     h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=u.dtype)
     ys = []
@@ -127,7 +127,8 @@ def test_scan_backend_takes_the_kernel_only_with_package_cuda_and_cuda_tensors(
         ssm.scan_backend(torch.device(device), "triton")
 
 
-@pytest.mark.skipif(ssm.kernel_scan() is None or not torch.cuda.is_available(), reason="needs mamba-ssm on CUDA")
+@pytest.mark.cuda
+@pytest.mark.skipif(ssm.kernel_scan() is None, reason="needs mamba-ssm built for this GPU (../shared/gpu/mamba_ssm.sh)")
 def test_mamba_ssm_kernel_matches_the_pure_pytorch_learner() -> None:
     torch.manual_seed(0)
     learner = make_learner("ssm", 8, 10, backend="torch").cuda()
@@ -207,7 +208,7 @@ def _results(round_idx: int) -> list[FitRes]:
     return [FitRes(c, _state(100 * round_idx + i, 1e-3), 2 + i) for i, c in enumerate(CLIENTS)]
 
 
-def _play(strategy: PFedSeqStrategy, state: dict[str, torch.Tensor], rounds: range):  # noqa: ANN202
+def _play(strategy: PFedSeqStrategy, state: dict[str, torch.Tensor], rounds: range):
     sent, globals_ = [], []
     for r in rounds:
         ins = strategy.configure_round(r, CLIENTS, state)

@@ -93,7 +93,7 @@ def test_homogeneous_gives_equal_loads() -> None:
         ((5, 3), dict(k_c=2, homogeneous=True), ["N_e*k_c = 10", "N_c = 3", "10/3"]),
     ],
 )
-def test_infeasible_settings_refused_up_front(shape, kwargs, numbers) -> None:  # noqa: ANN001
+def test_infeasible_settings_refused_up_front(shape, kwargs, numbers) -> None:
     with pytest.raises(ValueError) as err:
         solve_assignment(np.ones(shape), **kwargs)
     for text in numbers:

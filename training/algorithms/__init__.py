@@ -1,10 +1,11 @@
 """One module per federated method, each holding its server and client halves; the registry.
 
 Adding a method means adding a module that defines a :class:`training.protocol.Method` and listing it
-here.
+here (README, "Adding a method": :mod:`training.algorithms.fedavgm` is the worked example).
 """
 
 from training.algorithms.fedamole import FEDAMOLE
+from training.algorithms.fedavgm import FEDAVGM
 from training.algorithms.feddpa import FEDDPA_F, FEDDPA_T
 from training.algorithms.fedit import CENTRALIZED, FEDIT, FEDPROX
 from training.algorithms.fedmcp import FEDMCP
@@ -15,7 +16,8 @@ from training.protocol import Method
 
 ALGORITHMS: dict[str, Method] = {
     m.name: m
-    for m in (LOCAL, CENTRALIZED, FEDIT, FEDPROX, FEDLORA, FEDDPA_F, FEDDPA_T, FEDOA, FEDMCP, FEDAMOLE, PFEDSEQ)
+    for m in (LOCAL, CENTRALIZED, FEDIT, FEDPROX, FEDLORA, FEDDPA_F, FEDDPA_T, FEDOA, FEDMCP, FEDAMOLE, PFEDSEQ,
+              FEDAVGM)
 }
 
 

@@ -29,7 +29,7 @@ import torch
 
 from adapters.amole import load_balance_loss
 from adapters.amole_layer import SHARED, add_amole_experts, expert_name
-from adapters.context import AMoLERouting
+from adapters.amole_routing import AMoLERouting
 from training.data import collate
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
@@ -55,15 +55,18 @@ def ensure_experts(rt: Runtime, cfg: AMoLEConfig, seed: int) -> None:
 
 
 def full_state(rt: Runtime) -> StateDict:
-    """Every expert's A/B and every token projection, keyed ``<path>.<expert>.lora_A`` / ``<path>.token_proj``."""
+    """Every expert's A/B and every token projection, keyed ``<path>.<expert>.lora_A`` / ``<path>.token_proj``.
+
+    CPU copies, as every state that leaves the model (:meth:`training.runtime.Runtime.get`).
+    """
     state: StateDict = {}
     for path, layer in rt.adapted.layers.items():
         for name, adapter in layer.adapters.items():
             if name.startswith("expert_"):
-                state[f"{path}.{name}.lora_A"] = adapter.lora_A.detach().clone()
-                state[f"{path}.{name}.lora_B"] = adapter.lora_B.detach().clone()
+                state[f"{path}.{name}.lora_A"] = adapter.lora_A.detach().to("cpu", copy=True)
+                state[f"{path}.{name}.lora_B"] = adapter.lora_B.detach().to("cpu", copy=True)
         if layer.token_proj is not None:
-            state[f"{path}.token_proj"] = layer.token_proj.detach().clone()
+            state[f"{path}.token_proj"] = layer.token_proj.detach().to("cpu", copy=True)
     return state
 
 
@@ -114,12 +117,12 @@ class FedAMoLEStrategy(Strategy):
         source = scores_source(self.cfg, round_idx)
         if source == "keep" and self.assignment is not None:
             return
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, "rsea", round_idx))
+        gen = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "rsea", round_idx))
         scores = None
         if source == "relevance" and self.scores is not None and set(self.score_clients or ()) == set(clients):
             # Columns follow the upload order (a Flower server receives replies as they come): reorder them.
             cols = [self.score_clients.index(c) for c in clients]  # type: ignore[union-attr]
-            scores = {m: torch.tensor(v, dtype=torch.float64)[:, cols] for m, v in self.scores.items()}
+            scores = {m: torch.tensor(v, dtype=torch.float64, device="cpu")[:, cols] for m, v in self.scores.items()}
         self.assignment = assign_experts(scores, self.cfg, clients, modules, gen)
 
     def configure_round(self, round_idx: int, clients: list[str], state: StateDict) -> dict[str, FitIns]:
@@ -158,7 +161,7 @@ class FedAMoLEStrategy(Strategy):
         modules = sorted({k[len(EMB):].rsplit(".", 1)[0] for r in results for k in r.state if k.endswith(".client")})
         for m in modules:
             r_dim = results[0].state[f"{EMB}{m}.client"].shape[-1]
-            E = torch.stack([expert_emb.get(f"{EMB}{m}.{expert_name(j)}", torch.zeros(r_dim))
+            E = torch.stack([expert_emb.get(f"{EMB}{m}.{expert_name(j)}", torch.zeros(r_dim, device="cpu"))
                              for j in range(self.cfg.num_experts)])  # (N_e, r)
             C = torch.stack([r.state[f"{EMB}{m}.client"] for r in results])  # (N_c, r)
             self.scores[m] = relevance_scores(E.double(), C.double()).tolist()
@@ -197,10 +200,11 @@ class FedAMoLEClient(ClientAlgorithm):
         for p in projs:
             p.requires_grad_(True)
 
-        def loss_fn(rt_: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
-            rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long)
+        def loss_fn(rt_: Runtime, batch: dict[str, torch.Tensor], names, weights):
+            # one client: every row in group 0 (host-side grouping, see AMoLERouting.row_group)
+            rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long, device="cpu")
             routing = AMoLERouting(groups=(assignment,), row_group=rows, top_k=cfg.top_k, shared=cfg.shared_expert)
-            with rt_.adapted.context.route_amole(routing):
+            with rt_.adapted.context.route_tokens(routing):
                 out = rt_.model(**batch)
             lb = torch.stack([load_balance_loss(g, idx) for _, g, idx in routing.stats]).sum()  # summed over modules
             return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
@@ -221,30 +225,32 @@ class FedAMoLEClient(ClientAlgorithm):
         """Client and expert embeddings over the embedding set (eq. 17, 19), noised if configured (C.2)."""
         examples = rt.examples(ctx.data)
         n = min(200, max(1, len(examples) // 20))
-        gen = torch.Generator().manual_seed(derive_seed(ctx.seed, "emb", ctx.client_id))
-        order = torch.randperm(len(examples), generator=gen)
+        gen = torch.Generator(device="cpu").manual_seed(derive_seed(ctx.seed, "emb", ctx.client_id))
+        order = torch.randperm(len(examples), generator=gen, device="cpu")
         accs: dict[str, EmbeddingAccumulator] = {}
         for start in range(0, n, rt.train.micro_batch_size):
             batch = collate([examples[i] for i in order[start:min(n, start + rt.train.micro_batch_size)].tolist()],
-                            pad_id=rt.tokenizer.pad_token_id)
+                            pad_id=rt.tokenizer.pad_token_id, device=rt.device)
             mask = batch["attention_mask"].bool()
 
-            def observe(path, g, h, P, A, mask=mask):  # noqa: ANN001, ANN202
+            def observe(path, g, h, P, A, mask=mask):
                 accs.setdefault(path, EmbeddingAccumulator()).add(h, P, A, mask)
 
-            routing = AMoLERouting(groups=(assignment,), row_group=torch.zeros(mask.shape[0], dtype=torch.long),
+            routing = AMoLERouting(groups=(assignment,), row_group=torch.zeros(mask.shape[0], dtype=torch.long,
+                                                                               device="cpu"),
                                    top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe)
-            with torch.inference_mode(), rt.adapted.context.route_amole(routing):
+            with torch.inference_mode(), rt.adapted.context.route_tokens(routing):
                 rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
         noise_seed = derive_seed(ctx.seed, "embed-noise", round_idx, ctx.client_id)
-        gen, rng = torch.Generator().manual_seed(noise_seed), np.random.default_rng(noise_seed)
+        gen, rng = torch.Generator(device="cpu").manual_seed(noise_seed), np.random.default_rng(noise_seed)
         out: StateDict = {}
         for path in sorted(accs):
             acc = accs[path]
-            c, e = acc.result()  # (r,), (E, r)
+            c, e = (t.cpu() for t in acc.result())  # (r,), (E, r): uploads, noised on the CPU
             if self.cfg.dp_noise:
                 tok_bound, exp_bound = acc.max_clean_norms
+                exp_bound = exp_bound.cpu()
                 c = add_dp_noise(c, self.cfg.dp_eta, tok_bound, rng)
                 e = add_dp_noise(e, self.cfg.dp_eta, exp_bound, rng)
             elif self.cfg.embed_noise > 0:
@@ -266,7 +272,7 @@ def _cfg(o: Mapping[str, Any]) -> AMoLEConfig:
     return AMoLEConfig(**opts)
 
 
-def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> None:  # noqa: ANN001
+def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> None:
     """Write the experts, token projections and each client's final assignment (``adapters/amole``)."""
     from adapters.amole_io import save_amole
 

@@ -1,6 +1,6 @@
 """FedDPA-F and FedDPA-T: a shared global adapter plus a private local adapter (paper 000, section 4).
 
-FedDPA-T, as DESIGN.md decides (paper Algorithm 2 with the reference code's order, METHODS.md 2.2):
+FedDPA-T as implemented here (paper Algorithm 2 with the reference code's order, METHODS.md 2.2):
 round 0 trains only the global adapter (FedIT). From round 1, each selected client first trains its
 local adapter beside the frozen received global with the forward
 ``W0 x + (1 - alpha) dW_global x (detached) + alpha dW_local x``; the local adapter starts fresh (B = 0)

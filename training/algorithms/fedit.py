@@ -61,11 +61,14 @@ class FedAvgClient(ClientAlgorithm):
         """The LM loss plus FedProx's proximal term toward the received global adapter."""
         if self.mu == 0:
             return lm_loss
+        on_device: dict[str, torch.Tensor] = {}  # the received tensors, copied to the model's device once
 
-        def prox(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+        def prox(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
             loss, extra = lm_loss(rt, batch, names, weights)
             params = rt.params("global")
-            term = sum(((params[k] - received[k].to(params[k].dtype)) ** 2).sum() for k in params)
+            if not on_device:
+                on_device.update({k: received[k].to(device=params[k].device, dtype=params[k].dtype) for k in params})
+            term = sum(((params[k] - on_device[k]) ** 2).sum() for k in params)
             return loss + 0.5 * self.mu * term, {**extra, "prox": float(term.detach())}  # type: ignore[union-attr]
 
         return prox

@@ -1,7 +1,7 @@
 """FedMCP (paper 004): global + private adapters with averaged outputs and a CKA contrast term.
 
 Per batch (paper 004 section 3; METHODS.md 5, LoRA adapters and the LM head instead of bottleneck
-adapters and classifiers, as DESIGN.md decides):
+adapters and classifiers, our decision):
     L_a: LM loss of the full model, both adapters at weight 1/2 (Y = its mean-pooled final states)
     L_b: LM loss with the client's global adapter alone (X = its states)
     L_c: CKA(X, Y) - CKA(X, Z), Z = states with the received averaged global (frozen)
@@ -25,12 +25,12 @@ from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Me
 from training.runtime import Runtime
 
 
-def fedmcp_loss(gamma: float, mu: float):  # noqa: ANN201
+def fedmcp_loss(gamma: float, mu: float):
     """FedMCP's objective; the caller's context has (global, local) on at (1/2, 1/2), both trainable."""
 
-    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
-        rows = torch.ones(ids.shape[0], 1)
+        rows = torch.ones(ids.shape[0], 1, device=ids.device)
         full = rt.model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
         with rt.adapted.context.use(("global",), rows, trainable=("global",)):
             glob = rt.model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)

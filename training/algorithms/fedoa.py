@@ -22,14 +22,15 @@ from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Me
 from training.runtime import Runtime
 
 
-def fedoa_loss(lam: float, distance: str):  # noqa: ANN201
+def fedoa_loss(lam: float, distance: str):
     """The FedOA objective as a :data:`training.local_train.LossFn` (local adapter on in the context)."""
 
-    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):  # noqa: ANN001, ANN202
+    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
         ids, mask = batch["input_ids"], batch["attention_mask"]
         out = rt.model(input_ids=ids, attention_mask=mask, labels=batch["labels"], output_hidden_states=True)
         e_local = last_token(out.hidden_states[-1], mask)  # (B, H)
-        with torch.no_grad(), rt.adapted.context.use(("global",), torch.ones(ids.shape[0], 1), trainable=()):
+        with torch.no_grad(), rt.adapted.context.use(("global",), torch.ones(ids.shape[0], 1, device=ids.device),
+                                                     trainable=()):
             ref = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         e_global = last_token(ref.hidden_states[-1], mask).detach()
         reg = feature_distance(e_local, e_global, distance)

@@ -24,9 +24,9 @@ Options (paper defaults in ``PFEDSEQ.defaults``): ``warmup`` W (10), ``window`` 
 paper's CIFAR runs; ``window=1`` is ablation B), ``learner`` ``ssm`` | ``lstm`` (ablation E) | ``mlp``
 (ablation D), ``learner_lr`` (Adam, 1e-3), ``layers`` (2), ``d_state`` M (16), ``expand`` (2), ``d_conv``
 (4), ``mlp_hidden`` (100), ``max_grad_norm`` (none; pFedHN clips at 50), ``chunk`` (coordinates per
-learner pass, 2048), ``scan`` ``auto`` | ``torch`` | ``kernel`` (mamba-ssm), ``server_device`` ``auto`` |
-``cpu`` | ``cuda``, ``clients`` (the roster, i.e. the learner's channels in order; default: the clients of
-the first round).
+learner pass, 2048), ``scan`` ``auto`` | ``torch`` | ``kernel`` (mamba-ssm), ``server_device`` ``auto`` (the
+run's device: the base model's, i.e. ``--device`` / ``FEDMOSAIC_DEVICE``) | ``cpu`` | ``cuda[:i]``, ``clients``
+(the roster, i.e. the learner's channels in order; default: the clients of the first round).
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from models import settings
 from training.aggregate import weighted_average
 from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import train_local
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, derive_seed
+from training.runtime import Runtime
 from training.seqlearn.history import Layout, UpdateHistory, calibrate, learner_step
 from training.seqlearn.learners import KINDS, make_learner
 
@@ -109,8 +111,8 @@ class PFedSeqStrategy(FedAvgStrategy):
     def __init__(self, cfg: PFedSeqConfig, seed: int = 0) -> None:
         super().__init__(seed=seed, weighting="num_examples")
         self.cfg = cfg
-        dev = cfg.server_device
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
+        # auto: the device setting until initial_state() knows the run's model, then that model's device
+        self.device = settings.resolve_device(None if cfg.server_device == "auto" else cfg.server_device)
         self.roster: list[str] = list(cfg.clients)
         self.layout: Layout | None = None
         self.history = UpdateHistory(cfg.window)
@@ -119,6 +121,11 @@ class PFedSeqStrategy(FedAvgStrategy):
         self.optimizer: torch.optim.Optimizer | None = None
         self._metrics: dict[str, float] = {}
         self._sent: dict[str, float] = {}  # checksum of what each client was sent this round
+
+    def initial_state(self, runtime: Runtime) -> StateDict:
+        if self.cfg.server_device == "auto":
+            self.device = runtime.device  # the learners run where the run's model runs
+        return super().initial_state(runtime)
 
     def _check_roster(self, clients: Sequence[str]) -> None:
         if not self.roster:

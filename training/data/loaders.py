@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedmosaic import settings
+from models import settings
 from training.data.records import ClientData, DataError, FederatedDataset, Record, count_duplicates
 
 BENCHMARKS = {"feddpa1": ("feddpa", "dataset1"), "feddpa2": ("feddpa", "dataset2"), "dolly": ("dolly_fed8", "dataset1")}

@@ -51,24 +51,28 @@ def prompt_texts(records: Sequence[Record], tokenizer: object | None = None,
     return [format_prompt(r, tokenizer, prompt) for r in records]
 
 
-def collate(examples: Sequence[Example], pad_id: int, left: bool = False) -> dict[str, torch.Tensor]:
+def collate(examples: Sequence[Example], pad_id: int, left: bool = False,
+            device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Pad a batch: ``input_ids`` with ``pad_id``, ``labels`` with -100, an ``attention_mask``.
 
     Args:
         examples: tokenized examples.
         pad_id: the tokenizer's pad token id.
         left: pad on the left (generation, FedDPA's reference) instead of the right (training).
+        device: where the batch goes (the model's device); it is built on the CPU and copied once.
     """
     if not examples:
         raise DataError("cannot collate an empty batch")
     width = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    # filled row by row from Python lists on the host, then copied to the device in one go
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long, device="cpu")
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(examples), width), dtype=torch.long, device="cpu")
     for i, e in enumerate(examples):
         n = len(e.input_ids)
         sl = slice(width - n, width) if left else slice(0, n)
-        ids[i, sl] = torch.tensor(e.input_ids)
-        labels[i, sl] = torch.tensor(e.labels)
+        ids[i, sl] = torch.tensor(e.input_ids, device="cpu")
+        labels[i, sl] = torch.tensor(e.labels, device="cpu")
         mask[i, sl] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {k: v.to(device) for k, v in batch.items()}

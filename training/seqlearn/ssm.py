@@ -38,7 +38,7 @@ def _kernel() -> tuple[ScanFn | None, str]:
     try:
         import mamba_ssm
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-    except Exception as exc:  # noqa: BLE001 - a broken CUDA build raises OSError/RuntimeError, not only ImportError
+    except Exception as exc:  # a broken CUDA build raises OSError/RuntimeError, not only ImportError
         return None, f"mamba_ssm not importable ({type(exc).__name__}: {exc})"
     return selective_scan_fn, str(getattr(mamba_ssm, "__version__", "?"))
 

@@ -1,35 +1,47 @@
-"""Runtime adapter load/unload with vLLM's endpoints and bodies (behind ``allow_runtime_lora``)."""
+"""Runtime adapter load/unload with vLLM's endpoints and bodies: admin keys only, and only when enabled.
+
+Enabled by ``allow_runtime_lora`` (default: exactly when an admin key is configured, so an open server
+never lets anyone load adapters; vLLM's default is off too). The rules on names, roots and pins are
+:mod:`serving.runtime_lora`'s.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from serving.api.dependencies import ServerState, State, require_api_key
+from serving import runtime_lora
+from serving.api.dependencies import Admin, ServerState, State
+from serving.api.openapi import errors, text
 from serving.api.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from serving.stack import ServingStack
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
-
-
-def _pool(state: ServerState):  # type: ignore[no-untyped-def]
-    if not state.settings.allow_runtime_lora or state.pool is None:
-        raise HTTPException(404, "runtime adapter loading is disabled on this server")
-    return state.pool
+router = APIRouter()
 
 
-@router.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoraAdapterRequest, state: State) -> PlainTextResponse:
-    """Load (or with ``load_inplace`` reload, as a new version) a PEFT adapter folder."""
-    pool = _pool(state)
-    info = await run_in_threadpool(pool.load, body.lora_name, body.lora_path, body.pinned, body.load_inplace)
+def _stack(state: ServerState) -> ServingStack:
+    if not state.runtime_lora or state.stack is None:
+        raise HTTPException(404, "runtime adapter loading is disabled on this server (enable it with "
+                                 "--runtime-lora or FEDMOSAIC_SERVE_ALLOW_RUNTIME_LORA=true)")
+    return state.stack
+
+
+@router.post("/v1/load_lora_adapter", response_model=None,
+             responses={**text(), **errors(400, 401, 403, 404, 413, 503)})
+async def load_lora_adapter(caller: Admin, body: LoadLoraAdapterRequest, state: State) -> PlainTextResponse:
+    """Load (or with ``load_inplace`` reload, as a new version) a PEFT adapter folder under the adapter root."""
+    stack = _stack(state)
+    info = await run_in_threadpool(runtime_lora.load, stack, body.lora_name, body.lora_path, body.pinned,
+                                   body.load_inplace)
     return PlainTextResponse(f"Success: LoRA adapter '{info.name}' added successfully (version {info.version}).")
 
 
-@router.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoraAdapterRequest,
+@router.post("/v1/unload_lora_adapter", response_model=None,
+             responses={**text(), **errors(400, 401, 403, 404, 409, 413, 503)})
+async def unload_lora_adapter(caller: Admin, body: UnloadLoraAdapterRequest,
                               state: State) -> PlainTextResponse:
-    """Unload an adapter; requests already using it finish with it."""
-    pool = _pool(state)
-    await run_in_threadpool(pool.unload, body.lora_name)
+    """Unload an adapter (a pinned one only with ``force``); requests already using it finish with it."""
+    stack = _stack(state)
+    await run_in_threadpool(runtime_lora.unload, stack, body.lora_name, body.force)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -1,37 +1,30 @@
-"""POST /v1/completions (JSON or SSE): raw prompt text, no chat template."""
+"""POST /v1/completions (JSON or SSE): raw prompts (text or token ids, one or a batch), no chat template."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from serving.api import builders, service
-from serving.api.dependencies import State, require_api_key
+from serving.api.dependencies import Caller, State
+from serving.api.openapi import errors, json_or_sse
 from serving.api.protocol import CompletionRequest
+from serving.api.responses import CompletionShape
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, state: State) -> Response:
-    """OpenAI (legacy) completions; one prompt per request."""
-    prompt = builders.completion_prompt(body)
-    params = service.sampling_params(body, state)
-    started = await service.start(state, body, prompt, params, "cmpl")
-    head: dict[str, Any] = {"id": started.response_id, "object": "text_completion", "created": started.created,
-                            "model": body.model}
-    echo = prompt if body.echo else ""
-
-    if body.stream:
-        def chunk(delta: str | None, finish: str | None) -> dict[str, Any]:
-            text = echo if delta == "" else (delta or "")
-            return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return service.sse(state, started, "completions", chunk, include)
-
-    result = await service.complete(state, started, "completions")
-    return JSONResponse(builders.completion_body(started.response_id, started.created, body.model, started.plan,
-                                                 result, echo))
+@router.post("/v1/completions", response_model=None,
+             responses={**json_or_sse(), **errors(400, 401, 404, 413, 429, 500, 503, 504)})
+async def completions(caller: Caller, body: CompletionRequest, state: State) -> Response:
+    """OpenAI (legacy) completions; a batch of prompts is answered as ``choices`` with their ``index``."""
+    assert state.engine is not None
+    service.check_access(state, caller, body)
+    # templating and tokenizing a long prompt takes a while: off the event loop
+    choices = await run_in_threadpool(builders.choices, body, state.engine.tokenizer, service.limits(state))
+    started = await service.start(state, body, choices, "cmpl")
+    shape = CompletionShape(state.engine.tokenizer, service.head(started, body.model),
+                            service.details(state, caller), body.logprobs)
+    include = bool(body.stream_options and body.stream_options.include_usage)
+    return await service.respond(state, started, shape, bool(body.stream), include)

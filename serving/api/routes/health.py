@@ -1,4 +1,4 @@
-"""GET /health (503 until the engine is ready) and GET /metrics (Prometheus text)."""
+"""GET /health (503 until the engine is ready) and GET /metrics (Prometheus text, optionally admin-only)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from serving.api.dependencies import ServerState
+from serving.api.dependencies import Admin, ServerState
 from serving.api.errors import envelope
+from serving.api.openapi import errors, text
 
 router = APIRouter()
 
 
-@router.get("/health", response_model=None)
+@router.get("/health", response_model=None,
+            responses={200: {"description": "serving", "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"status": {"type": "string"}}}}}}, **errors(503)})
 def health(request: Request) -> JSONResponse:
     """200 ``{"status": "ok"}`` once serving; 503 with the error envelope while loading, after the engine
     failed (the reason in the message) or while shutting down."""
@@ -26,8 +29,23 @@ def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
-def metrics(request: Request) -> Response:
-    """Prometheus exposition of the server's metrics."""
+def _render(request: Request) -> Response:
     state: ServerState = request.app.state.server
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def metrics_router(protected: bool) -> APIRouter:
+    """``GET /metrics``: Prometheus exposition text; with ``protected`` it needs an admin key."""
+    metrics = APIRouter()
+    content = text(CONTENT_TYPE_LATEST.split(";")[0], f"Prometheus exposition text ({CONTENT_TYPE_LATEST})")
+    if protected:
+        @metrics.get("/metrics", response_model=None, responses={**content, **errors(401, 403)})
+        def protected_metrics(request: Request, caller: Admin) -> Response:
+            """Prometheus exposition of the server's metrics (admin keys only on this server)."""
+            return _render(request)
+    else:
+        @metrics.get("/metrics", response_model=None, responses=content)
+        def open_metrics(request: Request) -> Response:
+            """Prometheus exposition of the server's metrics."""
+            return _render(request)
+    return metrics

@@ -1,10 +1,10 @@
 """GET /v1/run/files[/{path}]: the served run's evaluation outputs (tables, plots), read-only.
 
 ``fedmosaic eval RUN_DIR`` writes ``eval/table.md``, ``eval/results.json`` and PNG plots (paper 000
-Table 1 layout, ``training.evaluation``). The demo is a client of this API only, so it fetches them
+Table 1 layout, ``fedmosaic.evaluation``). The demo is a client of this API only, so it fetches them
 here instead of reading the run directory. Only files under ``<run_dir>/eval`` with an allowed suffix
 are listed or served; a path that resolves elsewhere (``..``, a symlink out) is refused with 403, and
-the prediction cache is never exposed. Behind the same bearer keys as the rest of ``/v1``.
+the prediction cache is never exposed. Admin keys only (any valid key when no admin key is configured).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import FileResponse
 
-from serving.api.dependencies import get_settings, require_api_key
+from serving.api.dependencies import get_settings, require_admin
+from serving.api.openapi import errors
 from serving.errors import PathNotAllowed
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_admin)])
 
 EVAL_DIR = "eval"
 MEDIA_TYPES = {".md": "text/markdown; charset=utf-8", ".png": "image/png", ".json": "application/json"}
@@ -33,7 +34,7 @@ def _eval_root(request: Request) -> tuple[Path, Path]:
     run = Path(run_dir).resolve()
     root = (run / EVAL_DIR).resolve()
     if not root.is_dir():
-        raise HTTPException(404, f"the run has no evaluation yet; run `fedmosaic eval {run_dir}`")
+        raise HTTPException(404, "the run has no evaluation yet; run `fedmosaic eval RUN_DIR`")
     return run, root
 
 
@@ -42,7 +43,7 @@ def _listed(path: Path, root: Path) -> bool:
     return path.is_file() and path.suffix in MEDIA_TYPES and not (rel.parts and rel.parts[0] in HIDDEN)
 
 
-@router.get("/v1/run/files")
+@router.get("/v1/run/files", responses=errors(401, 403, 404))
 def list_run_files(request: Request) -> dict[str, Any]:
     """List the evaluation files: ``{"object": "list", "data": [{"path", "bytes", "media_type"}]}``.
 
@@ -58,7 +59,10 @@ def list_run_files(request: Request) -> dict[str, Any]:
     return {"object": "list", "run": run.name, "data": files}
 
 
-@router.get("/v1/run/files/{path:path}", response_model=None)
+@router.get("/v1/run/files/{path:path}", response_model=None,
+            responses={200: {"description": "the file", "content": {
+                media.split(";")[0]: {"schema": {"type": "string", "format": "binary"}}
+                for media in MEDIA_TYPES.values()}}, **errors(400, 401, 403, 404)})
 def get_run_file(path: str, request: Request) -> FileResponse:
     """Return one evaluation file.
 

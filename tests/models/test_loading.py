@@ -10,40 +10,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedmosaic import models
-from fedmosaic.cli import main
-from fedmosaic.tiny import save_tiny_llama, tiny_llama
+import models
+from models import prepare, save_tiny_llama, tiny_llama
 
 
 def _fake_cache(folder: Path) -> Path:
     save_tiny_llama(folder)
-    models.write_manifest(folder, source="test")
+    prepare.write_manifest(folder, source="test")
     return folder
 
 
 def test_check_cache_accepts_complete_and_names_each_defect(tmp_path: Path) -> None:
     folder = _fake_cache(tmp_path / "m")
-    assert models.check_cache(folder, full=True) is None
+    assert prepare.check_cache(folder, full=True) is None
 
-    (folder / models.MANIFEST).rename(folder / "manifest.bak")
-    assert "missing" in str(models.check_cache(folder))
-    (folder / "manifest.bak").rename(folder / models.MANIFEST)
+    (folder / prepare.MANIFEST).rename(folder / "manifest.bak")
+    assert "missing" in str(prepare.check_cache(folder))
+    (folder / "manifest.bak").rename(folder / prepare.MANIFEST)
 
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # a torn write
-    assert "bytes, manifest says" in str(models.check_cache(folder))
+    assert "bytes, manifest says" in str(prepare.check_cache(folder))
 
     flipped = bytearray(data)
     flipped[-1] ^= 0xFF  # same size, different content
     weights.write_bytes(bytes(flipped))
-    assert models.check_cache(folder) is None  # sizes alone cannot see it ...
-    assert "SHA-256" in str(models.check_cache(folder, full=True))  # ... the full check does
+    assert prepare.check_cache(folder) is None  # sizes alone cannot see it ...
+    assert "SHA-256" in str(prepare.check_cache(folder, full=True))  # ... the full check does
 
     weights.write_bytes(b"\x00" * len(data))
-    manifest = json.loads((folder / models.MANIFEST).read_text())
+    manifest = json.loads((folder / prepare.MANIFEST).read_text())
     assert manifest["files"]["model.safetensors"]["size"] == len(data)
-    assert "corrupt" in str(models.check_cache(folder))
+    assert "corrupt" in str(prepare.check_cache(folder))
 
 
 def test_load_local_folder_and_errors(tmp_path: Path) -> None:
@@ -64,7 +63,7 @@ def test_load_local_folder_and_errors(tmp_path: Path) -> None:
 
 
 def test_dtype_setting_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedmosaic import settings
+    from models import settings
 
     monkeypatch.setenv("FEDMOSAIC_DTYPE", "float16")
     with pytest.raises(ValueError, match="FEDMOSAIC_DTYPE"):
@@ -87,17 +86,17 @@ def test_prepare_is_idempotent_and_clean(smollm2_folder: Path) -> None:
     config = json.loads((smollm2_folder / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["hidden_size"] == 576 and config["num_hidden_layers"] == 30
-    assert models.check_cache(smollm2_folder, full=True) is None
+    assert prepare.check_cache(smollm2_folder, full=True) is None
 
 
 @pytest.mark.slow
 def test_partial_cache_is_rebuilt_not_used(smollm2_folder: Path, tmp_path: Path) -> None:
-    copy = tmp_path / models.SMOLLM2_DIRNAME
+    copy = tmp_path / prepare.SMOLLM2_DIRNAME
     shutil.copytree(smollm2_folder, copy)
     with (copy / "model.safetensors").open("r+b") as fh:
         fh.truncate(1000)
     path = models.resolve_model_path("smollm2", cache=tmp_path)
-    assert models.check_cache(Path(path), full=True) is None
+    assert prepare.check_cache(Path(path), full=True) is None
     assert os.path.getsize(Path(path) / "model.safetensors") > 100_000_000
 
 
@@ -116,12 +115,3 @@ def test_smollm2_answers_a_simple_instruction_with_an_adapter(smollm2_folder: Pa
     (answer,) = generate(adapted, loaded.model, tok, [prompt], ("fresh",), [[1.0]],
                          GenerationConfig(max_new_tokens=16), autocast=loaded.autocast)
     assert "Paris" in answer
-
-
-def test_cli_models_tiny_and_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["models", "tiny", str(tmp_path / "tiny")]) == 0
-    assert (tmp_path / "tiny" / "config.json").is_file()
-    assert main(["generate", "hello", "--model", str(tmp_path / "tiny"), "--adapter", "random:0.5",
-                 "--max-new-tokens", "3", "--dtype", "float32"]) == 0
-    with pytest.raises(SystemExit):
-        main(["models", "prepare", "llama-70b"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
 
 
 def plot_rounds(series: Mapping[str, Mapping[int, float]], metric: str, out: Path, title: str = "") -> Path:

@@ -1,7 +1,7 @@
 """``fedmosaic eval RUN_DIR``: batch offline evaluation in the layout of paper 000's Table 1.
 
 Every client's personalized model generates on the test set of every task; the global model and the
-bare base model do too. Models are *served targets* of the serving stack (:mod:`fedmosaic.eval_backend`):
+bare base model do too. Models are *served targets* of the serving stack (:mod:`.stack_backend`):
 ``<client>`` (FedDPA's global + local mix: instance-wise weights by default for FedDPA runs, paper 000
 section 4.3, or the run's fixed inference weight), else ``<client>:local`` or ``global``, whichever the
 run serves. Greedy decoding runs on the continuous-batching engine; beam search (``--num-beams`` > 1)
@@ -15,62 +15,18 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from adapters.rundir import RunDir
-from training.evaluation import plots, tables
-from training.evaluation.metrics import METRICS, Scores, score
-from training.evaluation.predictions import Prediction, PredictionCache, make_row
-
-WEIGHTING = ("auto", "instance", "fixed")
-
-
-@dataclass(frozen=True)
-class EvalItem:
-    """One example to generate: where its row goes in the cache, which target answers it."""
-
-    checkpoint: str
-    key: str
-    task: str
-    i: int
-    target: str
-    prompt: str
-    reference: str
-    tag: str
-
-
-class EvalBackend(Protocol):
-    """What the evaluator needs from a generation backend."""
-
-    base_name: str
-
-    def models(self) -> list[str]:
-        """Every served target name."""
-        ...
-
-    def describe(self, target: str) -> dict[str, Any]:
-        """How ``target`` is served (``mode``, ``adapters``, ``routed``, decoding ...): the cache tag."""
-        ...
-
-    def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
-        """Answer every item, yielding each as soon as it is done (any order)."""
-        ...
-
-    def add_adapter(self, name: str, folder: Path) -> None:
-        """Serve the PEFT folder ``folder`` as target ``name`` (per-round checkpoints)."""
-        ...
-
-    def remove_adapter(self, name: str) -> None:
-        """Stop serving ``name``."""
-        ...
-
-
-def tag_of(description: dict[str, Any]) -> str:
-    """The cache tag of a target description (stable JSON)."""
-    return json.dumps(description, sort_keys=True, default=str)
+from fedmosaic.evaluation import plots, tables
+from fedmosaic.evaluation.backend import WEIGHTING, EvalBackend, EvalItem, tag_of
+from fedmosaic.evaluation.metrics import METRICS, Scores, score
+from fedmosaic.evaluation.predictions import PredictionCache, make_row
+from fedmosaic.evaluation.stack_backend import open_backend
+from training.data import FederatedDataset, PromptConfig, load_run_dataset, prompt_texts
 
 
 @dataclass(frozen=True)
@@ -87,6 +43,7 @@ class EvalOptions:
         model: base model overriding run.json's.
         per_round: also score the global adapter of every per-round checkpoint (paper Figure 3).
         dtype: compute dtype (None: the setting's default).
+        device: where the model runs (``auto``, ``cpu``, ``cuda[:N]``; None: ``FEDMOSAIC_DEVICE``).
         feddpa_weights: ``<client>`` weighting: ``auto`` (instance-wise for FedDPA runs with an
             embedding index, fixed otherwise), ``instance`` or ``fixed`` (the run's inference weight).
         feddpa_samples: S, local instances compared per example (instance-wise).
@@ -102,6 +59,7 @@ class EvalOptions:
     model: str | None = None
     per_round: bool = False
     dtype: str | None = None
+    device: str | None = None
     feddpa_weights: str = "auto"
     feddpa_samples: int = 5
     feddpa_mode: str = "random"
@@ -145,17 +103,14 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         run_dir: a run directory (see :mod:`adapters.rundir`).
         opts: evaluation settings.
         backend: the generation backend; defaults to the serving stack over the run's adapters
-            (:func:`fedmosaic.eval_backend.open_backend`).
+            (:func:`fedmosaic.evaluation.stack_backend.open_backend`).
     """
-    from training.data import load_run_dataset
-
     run = RunDir(Path(run_dir))
     cfg = run.read_config()
     dataset = load_run_dataset(cfg, opts.data)
     if backend is None:
-        from fedmosaic.eval_backend import open_backend
-
-        backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, max_new_tokens=opts.max_new_tokens,
+        backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, device=opts.device,
+                               max_new_tokens=opts.max_new_tokens,
                                num_beams=opts.num_beams, batch_size=opts.batch_size, weighting=opts.feddpa_weights,
                                samples=opts.feddpa_samples, mode=opts.feddpa_mode)
     targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)
@@ -201,8 +156,6 @@ def _prompter(cfg: dict, backend: EvalBackend) -> Callable[[Sequence[Any]], list
     The FedDPA embedding index was built from training prompts in that template too, so instance-wise
     weights compare like with like.
     """
-    from training.data import PromptConfig, prompt_texts
-
     style = str((cfg.get("train") or {}).get("prompt_style", "alpaca_short"))
     tokenizer = getattr(backend, "tokenizer", None)
     if style == "chat" and tokenizer is None:
@@ -240,7 +193,9 @@ def _weight_outputs(run: RunDir, weights: dict[str, dict[str, list[float]]], own
             "per_client": {c: {t: statistics.fmean(v) for t, v in per.items() if v} for c, per in weights.items()}}
 
 
-def _write_outputs(run: RunDir, cfg: dict, dataset, clients, grid, opts: EvalOptions) -> dict:  # noqa: ANN001
+def _write_outputs(run: RunDir, cfg: dict, dataset: FederatedDataset, clients: list[str],
+                   grid: dict[str, dict[str, Scores]], opts: EvalOptions) -> dict:
+    """Write ``eval/table.md`` and ``eval/scores.png``; return the summary's scores, tables and Markdown."""
     client_tasks = {c: dataset.task_of(c) for c in clients}
     label = str(cfg.get("method", run.root.name))
     blocks = tables.block_rows(label, grid, clients, client_tasks, opts.metric)
@@ -257,8 +212,9 @@ def _write_outputs(run: RunDir, cfg: dict, dataset, clients, grid, opts: EvalOpt
     }
 
 
-def _per_round(run: RunDir, dataset, opts: EvalOptions, backend: EvalBackend, cache: PredictionCache,  # noqa: ANN001
-               render: Callable[[Sequence[Any]], list[str]]) -> dict:
+def _per_round(run: RunDir, dataset: FederatedDataset, opts: EvalOptions, backend: EvalBackend,
+               cache: PredictionCache, render: Callable[[Sequence[Any]], list[str]]) -> dict:
+    """Score the global adapter of every per-round checkpoint on every task; plot ``eval/rounds.png``."""
     series: dict[int, float] = {}
     for r in run.rounds():
         folder = run.round_dir(r) / "global"

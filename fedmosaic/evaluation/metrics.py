@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 METRICS = ("rouge1", "rougeL", "exact")
 _TRAILING = re.compile(r"(\s*(</s>|<\|im_end\|>|<\|endoftext\|>))+\s*$")
@@ -23,7 +24,8 @@ def clean(text: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def _scorer():  # noqa: ANN202
+def _scorer() -> Any:
+    """The ROUGE-1/ROUGE-L scorer, built once (``rouge_score.rouge_scorer.RougeScorer``)."""
     from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(["rouge1", "rougeL"], use_stemmer=False)

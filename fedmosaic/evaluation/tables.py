@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from training.evaluation.metrics import Scores
+from fedmosaic.evaluation.metrics import Scores
 
 ScoreGrid = Mapping[str, Mapping[str, Scores]]  # model key -> task -> scores
 

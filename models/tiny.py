@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from fedmosaic.models import LoadedModel, _finish
+from models import settings
+from models.loading import LoadedModel, frozen
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -78,8 +79,13 @@ def tiny_llama(
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: settings.DType = "float32",
 ) -> LoadedModel:
     """Build a tiny random Llama (GQA, tied embeddings, like SmolLM2) with the offline tokenizer.
+
+    The weights are drawn on the CPU from ``seed`` and then moved, so the model is the same on every
+    device.
 
     Args:
         vocab_size: tokenizer and embedding size.
@@ -89,6 +95,8 @@ def tiny_llama(
         num_kv_heads: key/value heads.
         intermediate_size: MLP width.
         seed: torch seed for the random weights.
+        device: where the model lives (``cpu``, ``cuda``, ``cuda:N``, ``auto`` or a ``torch.device``).
+        dtype: ``float32`` (default: exact tests), ``bfloat16`` weights or ``autocast-bf16``.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,7 +121,10 @@ def tiny_llama(
     finally:
         torch.random.set_rng_state(generator_state)
     model.config.name_or_path = "fedmosaic/tiny-llama"
-    return _finish(model, tokenizer, "tiny-llama", "float32")
+    if dtype not in settings.DTYPES:
+        raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
+    model.to(device=settings.resolve_device(device), dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    return frozen(model, tokenizer, "tiny-llama", dtype)
 
 
 def save_tiny_llama(folder: Path, **kwargs: int) -> Path:

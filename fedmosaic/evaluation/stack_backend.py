@@ -1,4 +1,4 @@
-"""How ``fedmosaic eval`` generates: served targets through the serving stack (engine or beam search).
+"""The evaluation backend over the serving stack: served targets answer, on the engine or by beam search.
 
 The evaluator never builds adapter weights itself. It asks for *served targets* (the base model,
 ``global``, ``<client>`` personalised, ``<client>:local``), and :class:`serving.targets.TargetResolver`
@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from adapters.rundir import RunDir
-from fedmosaic.evaluate import WEIGHTING, EvalItem
+from fedmosaic.evaluation.backend import WEIGHTING, EvalItem
+from fedmosaic.evaluation.predictions import Prediction
 from serving.engine import EngineConfig
 from serving.generation import GenerationConfig, generate_target
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
-from training.evaluation.predictions import Prediction
+from training.algorithms import ALGORITHMS
 
 # No length cap beyond the model's own: evaluation prompts are bounded by the data set.
 _NO_LIMIT = 1 << 20
@@ -55,9 +56,11 @@ class StackBackend:
         self.batch_size = batch_size
 
     def models(self) -> list[str]:
+        """Every target the stack serves."""
         return self.stack.models()
 
     def describe(self, target: str) -> dict[str, Any]:
+        """How ``target`` is served: mode, adapters, fixed weights or routing, decoding (the cache tag)."""
         plan = self.stack.plan(target)
         routed = plan.weight_fn is not None
         decoding = "greedy" if self.num_beams == 1 else f"beams={self.num_beams}"
@@ -69,6 +72,11 @@ class StackBackend:
         return out
 
     def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
+        """Answer every item, one engine stream per target (greedy) or HF beam search; yields as done.
+
+        Raises:
+            RuntimeError: a generation failed or was cancelled (the message names the item).
+        """
         if self.num_beams > 1:
             yield from self._beams(items)
             return
@@ -97,9 +105,11 @@ class StackBackend:
                     yield it, _prediction(out.text, out.weights, out.info)
 
     def add_adapter(self, name: str, folder: Path) -> None:
+        """Load the PEFT folder ``folder`` into the pool as ``name`` (replacing one of that name)."""
         self.stack.pool.load(name, folder, replace=True)
 
     def remove_adapter(self, name: str) -> None:
+        """Unload ``name`` from the pool."""
         self.stack.pool.unload(name)
 
 
@@ -123,9 +133,10 @@ def _prediction(text: str, weights: dict[str, float], info: Any) -> Prediction:
 def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
     """``instance`` or ``fixed``: how ``<client>`` targets of this run are evaluated.
 
-    ``auto`` follows DESIGN.md's protocol: a FedDPA run's personalised model uses the instance-wise
-    weight of paper 000 section 4.3 when the run has its embedding index; other methods (whose
-    personalised model is a fixed mixture, e.g. the local adapter alone) use the fixed weight.
+    ``auto`` follows the evaluation protocol: the personalised model of a method registered with
+    ``instance_weighting`` (FedDPA, :class:`training.protocol.Method`) uses the instance-wise weight of
+    paper 000 section 4.3 when the run has its embedding index; other methods (whose personalised model
+    is a fixed mixture, e.g. the local adapter alone) use the fixed weight.
 
     Raises:
         ValueError: ``instance`` asked for but the run has no embedding index, or an unknown mode.
@@ -137,18 +148,18 @@ def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
         raise ValueError(f"instance-wise FedDPA weights need the run's embedding index "
                          f"(adapters/clients/<id>/embeddings.npy); {run.root} has none: use 'fixed'")
     if weighting == "auto":
-        is_feddpa = str(cfg.get("method", "")).lower().startswith("feddpa")
-        return "instance" if is_feddpa and has_index else "fixed"
+        method = ALGORITHMS.get(str(cfg.get("method", "")).lower())
+        return "instance" if method is not None and method.instance_weighting and has_index else "fixed"
     return weighting
 
 
 def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, dtype: str | None = None,
-                 max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8, weighting: str = "auto",
-                 samples: int = 5, mode: str = "random") -> StackBackend:
+                 device: str | None = None, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8,
+                 weighting: str = "auto", samples: int = 5, mode: str = "random") -> StackBackend:
     """Build the serving stack over ``run`` and wrap it for evaluation."""
     routing = feddpa_routing(cfg, run, weighting)
     config = StackConfig(
-        model=model or cfg.get("model", "smollm2"), dtype=dtype, run_dir=run.root,
+        model=model or cfg.get("model", "smollm2"), dtype=dtype, device=device, run_dir=run.root,
         max_loras=len(run.clients()) + 4,
         engine=EngineConfig(max_batch_size=batch_size, max_model_len=_NO_LIMIT, max_waiting=max(64, 4 * batch_size)),
         feddpa_routing=routing, feddpa_samples=samples, feddpa_mode=mode,  # type: ignore[arg-type]

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from training.evaluation import Prediction, PredictionCache, Scores, example_scores, plots, score, tables
+from fedmosaic.evaluation import plots, tables
+from fedmosaic.evaluation.metrics import Scores, example_scores, score
+from fedmosaic.evaluation.predictions import Prediction, PredictionCache
 
 
 def test_rouge_and_exact_on_hand_checked_pairs() -> None:
@@ -69,7 +71,7 @@ def test_prediction_cache_resumes_after_interruption(tmp_path: Path) -> None:
     prompts = [f"p{i}" for i in range(5)]
     calls: list[list[str]] = []
 
-    def flaky(ps):  # noqa: ANN001, ANN202
+    def flaky(ps):
         calls.append(list(ps))
         if len(calls) == 2:
             raise KeyboardInterrupt  # interrupted during the second batch

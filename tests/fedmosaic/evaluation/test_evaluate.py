@@ -17,14 +17,15 @@ import torch
 from adapters import LoraConfig, inject, load_adapter, save_adapter
 from adapters.rundir import RunDir
 from fedmosaic.cli import main
-from fedmosaic.eval_backend import StackBackend, open_backend
-from fedmosaic.evaluate import EvalItem, EvalOptions, evaluate_run, served_targets
-from fedmosaic.tiny import save_tiny_llama, tiny_llama
+from fedmosaic.evaluation.backend import EvalItem
+from fedmosaic.evaluation.evaluate import EvalOptions, evaluate_run, served_targets
+from fedmosaic.evaluation.predictions import Prediction
+from fedmosaic.evaluation.stack_backend import StackBackend, feddpa_routing, open_backend
+from models import save_tiny_llama, tiny_llama
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
 from serving.errors import InvalidRequest
 from serving.generation import GenerationConfig, generate_target
-from training.evaluation.predictions import Prediction
 
 DATA = {"n_train": 4, "n_test": 3, "families": ["sorting", "capitals"]}
 
@@ -61,7 +62,7 @@ class Spy:
     def __init__(self, inner: StackBackend) -> None:
         self.inner, self.base_name, self.calls = inner, inner.base_name, 0
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate models/describe/add_adapter/remove_adapter
+    def __getattr__(self, name: str):  # delegate models/describe/add_adapter/remove_adapter
         return getattr(self.inner, name)
 
     def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
@@ -165,6 +166,20 @@ def test_beam_search_and_option_errors(tmp_path: Path) -> None:
         EvalOptions(feddpa_weights="sometimes")
 
 
+def test_auto_weighting_follows_the_method_registry(tmp_path: Path) -> None:
+    from training.algorithms import ALGORITHMS
+
+    run = build_run(tmp_path, embeddings=True)
+    for name, method in ALGORITHMS.items():
+        expected = "instance" if method.instance_weighting else "fixed"
+        assert feddpa_routing({"method": name.upper()}, run, "auto") == expected, name
+    assert {n for n, m in ALGORITHMS.items() if m.instance_weighting} == {"feddpa-t", "feddpa-f"}
+    assert feddpa_routing({"method": "feddpa-x"}, run, "auto") == "fixed"  # not registered: no instance weights
+    assert feddpa_routing({}, run, "fixed") == "fixed"
+    bare = build_run(tmp_path / "bare")
+    assert feddpa_routing({"method": "feddpa-t"}, bare, "auto") == "fixed"  # no embedding index
+
+
 def test_amole_run_is_evaluated_through_the_same_targets(tmp_path: Path) -> None:
     from adapters.amole_io import save_amole
     from adapters.amole_layer import add_amole_experts
@@ -193,7 +208,7 @@ def test_each_target_decodes_in_its_own_stream(tmp_path: Path) -> None:
     streams: list[set[str]] = []
     real_run = backend.stack.run
 
-    def recording_run(jobs, window=None):  # noqa: ANN001, ANN202 - the real ServingStack.run, watched
+    def recording_run(jobs, window=None):  # the real ServingStack.run, watched
         seen: set[str] = set()
         streams.append(seen)
         yield from real_run((seen.add(job.target) or job for job in jobs), window)

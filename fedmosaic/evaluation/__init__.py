@@ -1,0 +1,10 @@
+"""Batch offline evaluation of run directories (paper 000 section 5.1): the application layer's evaluator.
+
+* :mod:`.evaluate`: the run evaluator (``evaluate_run``, ``compare_runs``): every client's personalised
+  model on every task's test set, then tables, plots and ``eval/results.json``;
+* :mod:`.backend`: what the evaluator asks of a generation backend (``EvalItem`` in, predictions out);
+* :mod:`.stack_backend`: that backend over the serving stack (the same served targets as the HTTP API);
+* :mod:`.metrics`, :mod:`.predictions`, :mod:`.tables`, :mod:`.plots`: scores, the resumable prediction
+  cache, the Table-1 layout and the PNG plots;
+* :mod:`.cli`: ``fedmosaic eval``.
+"""

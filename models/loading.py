@@ -1,0 +1,126 @@
+"""Load a frozen base model and its tokenizer onto a device, under a dtype policy.
+
+``load_base_model`` takes ``smollm2`` (the embedded default, prepared once by :mod:`models.prepare`),
+``tiny`` (the seeded random Llama of :mod:`models.tiny`), a local Hugging Face model folder, or a hub
+id where a network exists, and returns a :class:`LoadedModel`: the model in eval mode with every
+parameter frozen, its tokenizer (with a pad token), and the dtype policy its forwards run under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models import settings
+from models.prepare import SMOLLM2, SMOLLM2_HUB_ID, ModelError, resolve_model_path
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A frozen base model with its tokenizer and the dtype policy it runs under.
+
+    Attributes:
+        model: the HF causal LM, in eval mode, every parameter frozen.
+        tokenizer: its tokenizer, with a pad token set.
+        name: a short name for logs and adapter configs (``base_model_name_or_path``).
+        dtype: ``float32``, ``bfloat16`` or ``autocast-bf16`` (fp32 weights, bf16 compute).
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    dtype: settings.DType
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights live (read from them, so a moved model reports its new place)."""
+        for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Return the compute context for this model's dtype policy on its device."""
+        return compute_context(self.dtype, self.device.type)
+
+
+def compute_context(dtype: settings.DType, device_type: str = "cpu") -> contextlib.AbstractContextManager[None]:
+    """Return ``torch.autocast(device_type, bfloat16)`` for ``autocast-bf16``, a no-op context otherwise.
+
+    Args:
+        dtype: the dtype policy.
+        device_type: the model's device type (``cpu`` or ``cuda``): autocast only affects operations
+            on its own device type, so a CUDA model under CPU autocast would silently run in fp32.
+    """
+    if dtype == "autocast-bf16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def load_base_model(
+    name_or_path: str = SMOLLM2,
+    dtype: settings.DType | None = None,
+    cache: Path | None = None,
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Load a frozen causal LM and its tokenizer onto a device.
+
+    Args:
+        name_or_path: ``smollm2`` (the embedded default), ``tiny`` (a seeded tiny random Llama for
+            smoke runs), a local HF model folder, or a hub id (only where a network exists).
+        dtype: ``float32``, ``bfloat16`` or ``autocast-bf16``; defaults to ``FEDMOSAIC_DTYPE``, else
+            ``bfloat16`` on CUDA and the measured ``autocast-bf16`` on the CPU. The tiny model is
+            float32 unless a dtype is given.
+        cache: cache root for ``smollm2``.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or a ``torch.device``; None reads
+            ``FEDMOSAIC_DEVICE`` (default ``auto``: CUDA when torch sees a GPU).
+
+    Raises:
+        ModelError: the folder does not exist or holds no model.
+        ValueError: an unknown dtype, or a device this machine does not have.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = settings.resolve_device(device)
+    if dtype is not None and dtype not in settings.DTYPES:
+        raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
+    if name_or_path == "tiny":  # the seeded tiny random Llama: identical on every call, machine and device
+        from models.tiny import tiny_llama
+
+        return tiny_llama(device=target, dtype=dtype or "float32")
+    dtype = dtype or settings.default_dtype(target)
+    path = resolve_model_path(name_or_path, cache)
+    local = Path(path).expanduser()
+    if (local.exists() or path.startswith((".", "/", "~"))) and not (local / "config.json").is_file():
+        raise ModelError(f"{local} is not a Hugging Face model folder (no config.json)")
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    model.to(target)
+    if path != name_or_path:
+        # The cache folder differs per machine; adapters record the model's canonical name instead.
+        model.config.name_or_path = SMOLLM2_HUB_ID
+    return frozen(model, tokenizer, name_or_path, dtype)
+
+
+def frozen(model: torch.nn.Module, tokenizer: object, name: str, dtype: settings.DType) -> LoadedModel:
+    """Put ``model`` in eval mode with every parameter frozen, give ``tokenizer`` a pad token, wrap both.
+
+    Args:
+        model: the causal LM, already on its device and in its dtype.
+        tokenizer: its tokenizer; without a pad token it pads with the end-of-sequence token.
+        name: the short name of :attr:`LoadedModel.name`.
+        dtype: the dtype policy the model runs under.
+    """
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if getattr(tokenizer, "pad_token", None) is None:
+        tokenizer.pad_token = tokenizer.eos_token  # type: ignore[attr-defined]
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)

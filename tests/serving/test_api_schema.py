@@ -1,0 +1,125 @@
+"""The OpenAPI document tells the truth: every status a route answers is documented with the error model.
+
+``schemathesis run --checks all`` against a live server (a run with clients, admin and user keys,
+protected metrics, runtime loading on) finds no undocumented status code, content type or header, no
+5xx, no ignored authentication (the same command by hand: README, Serving). One deliberate setting:
+``positive_data_acceptance`` accepts 400 for schema-valid requests, because this server refuses some
+requests no JSON schema can describe (a prompt the chat template rejects, ``min_tokens`` above
+``max_tokens``, a token id beyond the vocabulary, an adapter folder that does not exist).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from models import tiny_llama
+from serving.api import create_app
+from serving.settings import ServeSettings
+from tests.serving.helpers import write_adapter
+
+ADMIN, USER = "sk-admin", "sk-user"
+CONFIG = """
+[checks.positive_data_acceptance]
+expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429"]
+
+[parameters]
+path = "eval/table.md"
+"""
+
+
+def settings(root: Path) -> ServeSettings:
+    return ServeSettings(model="tiny", run_dir=root / "run", adapter_root=root, admin_keys=[ADMIN], api_keys=[USER],
+                         max_tokens_limit=8, default_max_tokens=4, max_model_len=256, protect_metrics=True)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("schema")
+    tiny = tiny_llama()
+    run = root / "run"
+    write_adapter(tiny, run / "adapters" / "global", seed=1)
+    for i, client in enumerate(("sorting", "capitals")):
+        write_adapter(tiny, run / "adapters" / "clients" / client / "local", seed=10 + i)
+    (run / "run.json").write_text(json.dumps({"method": "feddpa-t", "model": "tiny", "inference_weight": 0.25}))
+    (run / "eval").mkdir()
+    (run / "eval" / "table.md").write_text("| method | score |\n| --- | --- |\n| global | 1 |\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(root: Path) -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings(root)), host="127.0.0.1", port=port,
+                                           log_level="warning", ws="none"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_every_answered_status_is_documented_with_the_error_model(root: Path) -> None:
+    document = create_app(settings(root)).openapi()
+    expected = {
+        ("/v1/chat/completions", "post"): {"200", "400", "401", "404", "413", "429", "500", "503", "504"},
+        ("/v1/completions", "post"): {"200", "400", "401", "404", "413", "429", "500", "503", "504"},
+        ("/v1/models", "get"): {"200", "401", "503"},
+        ("/v1/load_lora_adapter", "post"): {"200", "400", "401", "403", "404", "413", "503"},
+        ("/v1/unload_lora_adapter", "post"): {"200", "400", "401", "403", "404", "409", "413", "503"},
+        ("/v1/run/files", "get"): {"200", "401", "403", "404"},
+        ("/v1/run/files/{path}", "get"): {"200", "400", "401", "403", "404"},
+        ("/health", "get"): {"200", "503"},
+        ("/metrics", "get"): {"200", "401", "403"},
+    }
+    for (path, method), statuses in expected.items():
+        responses = document["paths"][path][method]["responses"]
+        assert set(responses) == statuses, path
+        for status in statuses - {"200"}:
+            assert responses[status]["content"] == {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}, (path, status)
+    assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]) == {
+        "application/json", "text/event-stream"}
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert "securitySchemes" not in create_app(ServeSettings(model="tiny")).openapi()["components"]
+
+
+@pytest.mark.parametrize("key", [ADMIN, USER])
+def test_schemathesis_with_all_checks(url: str, tmp_path: Path, key: str) -> None:
+    pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")
+    exe = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(CONFIG)
+    run = subprocess.run(
+        [exe, "--config-file", str(config), "run", f"{url}/openapi.json", "--checks", "all",
+         "-H", f"Authorization: Bearer {key}", "--max-examples", "15", "--workers", "1", "--seed", "15",
+         "--continue-on-failure"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "Test cases:" in run.stdout and "failures" not in run.stdout.splitlines()[-1]

@@ -1,0 +1,47 @@
+"""The end of a client's training: its personalization step, then FedDPA's local-instance index.
+
+After the last round each client runs its method's ``finalize`` (FedLoRA / FedDPA-F fine-tune a copy of
+the final global adapter; pFedSeq's never-sampled clients do the same). For methods with FedDPA's
+instance-wise weighting (paper 000, section 4.3) the client then embeds its own training prompts with
+the final global adapter on (final-layer last-token states) and keeps them as a faiss index beside its
+adapter, for the serving router. The simulator runs this for every client in-process, a Flower node for
+its own client, where the instances live.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from routing.cache import EmbeddingIndex
+from routing.embedding import embed_prompts
+from training.data import ClientData, PromptConfig, prompt_texts
+from training.protocol import ClientAlgorithm, ClientContext, Method, StateDict
+from training.runtime import Runtime
+
+
+def finish_client(method: Method, client: ClientAlgorithm, state: StateDict, ctx: ClientContext,
+                  index_folder: Path | None) -> None:
+    """Personalize ``ctx``'s client from the final server ``state``; save its instance index where it is used.
+
+    Args:
+        method: the run's method (its ``instance_weighting`` flag says whether clients need the index).
+        client: the method's client half.
+        state: the final server state (the global adapter).
+        ctx: the client's context; ``finalize`` updates its private state.
+        index_folder: where to save the index (None: no index).
+    """
+    client.finalize(state, ctx)
+    if index_folder is not None and method.instance_weighting and state:
+        ctx.runtime.set("global", state)
+        save_instance_index(ctx.runtime, ctx.data, index_folder)
+
+
+def save_instance_index(rt: Runtime, client: ClientData, folder: Path) -> None:
+    """Embed ``client``'s training instances with the runtime's ``global`` adapter on; save the index in ``folder``.
+
+    The prompts are formatted exactly as training formatted them, so serving's request embedding (same
+    template, same adapter) is comparable.
+    """
+    prompts = prompt_texts(client.train, rt.tokenizer, PromptConfig(rt.train.prompt_style))  # type: ignore[arg-type]
+    vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
+    EmbeddingIndex(vecs).save(folder)
