@@ -60,7 +60,7 @@ def load_inputs(run: RunDir, cfg: dict[str, Any], *, data: str | None, test: str
     if trained and not trained & set(dataset.client_ids):
         raise EvalSetupError(f"data set {dataset.name!r} names clients {dataset.client_ids}, none of {run.root}'s "
                              f"{sorted(trained)}: --data must name the run's clients (--test gives other test sets)")
-    test_set = testsets.load_test_set(test) if test else testsets.of_dataset(dataset)
+    test_set = testsets.load_test_set(test) if test else testsets.of_dataset(dataset, data)
     testsets.check_test_set(test_set, metric, limit)
     tests = dict(test_set.tests)
     duplicates = count_duplicates(dataset.clients, tests)

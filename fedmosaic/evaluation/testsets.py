@@ -33,7 +33,7 @@ class TestSet:
 
     Attributes:
         name: the short name shown in the table's title and ``results.json``.
-        source: the spec as given (``None``: the run's own data set).
+        source: the spec as given (``None``: the run's own data set, as ``run.json`` names it).
         tests: task -> its test examples.
     """
 
@@ -78,9 +78,14 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "test"
 
 
-def of_dataset(dataset: FederatedDataset) -> TestSet:
-    """The run's own test sets (``fedmosaic eval RUN`` without ``--test``)."""
-    return TestSet(dataset.name, None, dict(dataset.tests))
+def of_dataset(dataset: FederatedDataset, data: str | None = None) -> TestSet:
+    """The clients' data set's own test sets (``fedmosaic eval RUN`` without ``--test``).
+
+    Args:
+        dataset: the clients' data set.
+        data: the ``--data`` spec it was loaded from (None: ``run.json``'s, the run's own test sets).
+    """
+    return TestSet(dataset.name, data, dict(dataset.tests))
 
 
 def load_test_set(spec: str) -> TestSet:

@@ -76,8 +76,12 @@ def test_issue_crash_data_folder_whose_tests_are_other_tasks(tmp_path: Path) -> 
     folder = held_out(tmp_path / "other", ["arithmetic"], train=["sorting", "capitals"])
     summary = evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, dtype="float32", data=str(folder)))
     assert list(summary["tables"]) == ["ttp"] and summary["test_set"]["name"] == "other"
-    assert summary["test_set"]["source"] is None  # the data set's own test sets
-    assert (run.eval_dir / "table.md").read_text().startswith("FedDPA-T on test set other (the run's own; 1 tasks")
+    assert summary["test_set"]["source"] == str(folder)  # --data's own test sets
+    assert (run.eval_dir / "table.md").read_text().startswith(f"FedDPA-T on test set other (from {folder}; 1 tasks")
+    own = evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, dtype="float32"))
+    assert own["test_set"]["source"] is None and own["markdown"].startswith(
+        "FedDPA-T on test set generated-s0 (the run's own; 2 tasks: capitals, sorting)")
+    assert own["test_set"]["clients_with_own_task"] == ["sorting", "capitals"] and "personalization" in own["tables"]
 
 
 def test_mixed_some_clients_own_tasks_present(tmp_path: Path) -> None:
