@@ -94,3 +94,32 @@ def test_serves_matches_models_without_listing(tiny: LoadedModel, tmp_path: Path
     monkeypatch.setattr(pool, "names", lambda: pytest.fail("resolve listed every adapter"))
     assert resolver.resolve("c7").mode == "feddpa" and resolver.resolve("extra").mode == "adapter"
     assert resolver.resolve("tiny").mode == "base"
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser.add_subparsers())
+    return parser.parse_args(["serve", "--model", "tiny", *argv])
+
+
+def test_engine_limits_from_the_command_line() -> None:
+    """The engine's fault and queue settings are options; the environment applies when one is not given."""
+    settings = settings_from_args(_serve_args("--max-waiting", "5", "--max-prefill-tokens", "64",
+                                              "--request-timeout", "none", "--shutdown-timeout", "2.5",
+                                              "--no-exit-on-engine-failure"))
+    assert (settings.max_waiting, settings.max_prefill_tokens, settings.request_timeout_s,
+            settings.shutdown_timeout_s, settings.exit_on_engine_failure) == (5, 64, None, 2.5, False)
+    assert settings_from_args(_serve_args("--request-timeout", "30")).request_timeout_s == 30.0
+    assert settings_from_args(_serve_args()).request_timeout_s == 600.0
+
+
+@pytest.mark.parametrize(("argv", "named"), [(["--max-prefill-tokens", "0"], "max_prefill_tokens"),
+                                             (["--request-timeout", "-1"], "request_timeout_s")])
+def test_invalid_engine_limits_exit_naming_the_setting(argv: list[str], named: str) -> None:
+    with pytest.raises(SystemExit, match=f"invalid server settings: {named}"):
+        settings_from_args(_serve_args(*argv))
+
+
+def test_request_timeout_refuses_words() -> None:
+    with pytest.raises(SystemExit):
+        _serve_args("--request-timeout", "soon")
