@@ -1,16 +1,17 @@
 """Load: N concurrent streaming HTTP clients against a real ``fedmosaic serve``, one adapter reloaded every 2 s.
 
 Builds a FedDPA-T-like run (:func:`serve_common.build_run`: global + ``--run-clients`` local adapters
-with each client's embedding index) plus a second version of ``c0:local`` (another random adapter),
+with each client's embedding index) plus versions of a runtime adapter ``hot`` (A: a copy of ``c0:local``;
+B: another random adapter),
 starts ``python -m fedmosaic.cli serve RUN`` as a subprocess (this checkout first on ``PYTHONPATH``) and
 drives it with httpx:
 
-1. reference answers: the probe prompt sent to ``c0:local`` (greedy) with version A loaded, then B,
+1. reference answers: the probe prompt sent to ``hot`` (greedy) with version A loaded, then B,
    then A again (the two must differ and A must repeat, or the check below could not see anything);
 2. idle: one client alone sends ``--idle-requests`` requests one after another (the idle TTFT);
 3. load: ``--clients`` streaming clients for ``--duration`` s, each request for one of the run's
    ``<client>`` targets (instance-wise FedDPA weights) in turn, and every ``--probe-every``-th request of
-   each client the probe to ``c0:local``; meanwhile ``c0:local`` is reloaded every ``--reload-every`` s
+   each client the probe to ``hot``; meanwhile ``hot`` is reloaded every ``--reload-every`` s
    through ``POST /v1/load_lora_adapter`` (``load_inplace``: a new version), alternately from the folders
    of versions B and A.
 
@@ -49,7 +50,7 @@ from adapters import LoraConfig, inject
 from models import load_base_model
 
 REPO = Path(__file__).resolve().parents[1]
-HOT = "c0:local"
+HOT = "hot"  # a runtime adapter (a run's own names reload only from the run's folders, #15)
 
 
 @dataclass
@@ -108,7 +109,7 @@ def server(run: Path, args: argparse.Namespace, log: Path) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "fedmosaic.cli", "serve", str(run), "--model", args.model, "--port", str(port),
-           "--max-batch-size", str(args.max_batch_size), "--max-model-len", str(args.max_model_len)]
+           "--max-batch-size", str(args.max_batch_size), "--max-model-len", str(args.max_model_len), "--runtime-lora"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -319,7 +320,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the load's requests")
     p.add_argument("--probe-tokens", type=int, default=12, help="max_tokens of the version probes")
     p.add_argument("--probe-every", type=int, default=4, help="every k-th request of a client is a probe")
-    p.add_argument("--reload-every", type=float, default=2.0, help="seconds between reloads of c0:local")
+    p.add_argument("--reload-every", type=float, default=2.0, help="seconds between reloads of the hot adapter")
     p.add_argument("--idle-requests", type=int, default=8)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
