@@ -10,10 +10,13 @@ its own client, where the instances live.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
+from training import durable
 from training.data import ClientData, PromptConfig, prompt_texts
 from training.protocol import ClientAlgorithm, ClientContext, Method, StateDict
 from training.runtime import Runtime
@@ -40,8 +43,14 @@ def save_instance_index(rt: Runtime, client: ClientData, folder: Path) -> None:
     """Embed ``client``'s training instances with the runtime's ``global`` adapter on; save the index in ``folder``.
 
     The prompts are formatted exactly as training formatted them, so serving's request embedding (same
-    template, same adapter) is comparable.
+    template, same adapter) is comparable. The index files are written durably (:mod:`training.durable`).
     """
     prompts = prompt_texts(client.train, rt.tokenizer, PromptConfig(rt.train.prompt_style))  # type: ignore[arg-type]
     vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
-    EmbeddingIndex(vecs).save(folder)
+    staging = Path(tempfile.mkdtemp(prefix=durable.TMP_PREFIX))
+    try:
+        EmbeddingIndex(vecs).save(staging)
+        for f in sorted(staging.iterdir()):
+            durable.write_file(Path(folder) / f.name, lambda tmp, src=f: shutil.copyfile(src, tmp))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from training.validation import layout_problem
+
 if TYPE_CHECKING:
     from training.data import ClientData
     from training.runtime import Runtime
@@ -113,6 +115,15 @@ class Strategy(ABC):
     def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
                   state: StateDict) -> StateDict | None:
         """New server state from the round's uploads; None keeps ``state`` (nothing to aggregate)."""
+
+    def check_upload(self, ins: FitIns, res: FitRes) -> str | None:
+        """Why ``res`` is not a well-formed upload for ``ins`` (None: it is), checked before :meth:`aggregate`.
+
+        The default wants exactly the tensors sent: same keys, shapes and dtypes (a method uploading
+        something else overrides it). Finiteness, ``num_examples`` and metrics are checked for every
+        method by :func:`training.validation.reply_problem`.
+        """
+        return layout_problem(ins.state, res.state)
 
     def evaluate(self, round_idx: int, state: StateDict) -> dict[str, float] | None:
         """Optional server-side evaluation after aggregation; its scalars go to the round's metrics row."""

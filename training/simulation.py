@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
 from models import LoadedModel
+from training import durable
 from training.algorithms import get_method
 from training.data import ClientData, FederatedDataset, split_tasks
 from training.personalize import finish_client
@@ -125,7 +126,8 @@ class InProcessTransport(Transport):
         lora, base = self.rt.train.lora, self.rt.adapted.base_model_name
         for cid, named in self.private.items():
             if "local" in named:
-                write_adapter_folder(run.local_adapter(cid), lora, named["local"], base)
+                durable.write_folder(run.local_adapter(cid),
+                                     lambda tmp, t=named["local"]: write_adapter_folder(tmp, lora, t, base))
 
 
 def run_federated(

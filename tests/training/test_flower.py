@@ -103,7 +103,8 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
         fa = load_file(str(flower.local_adapter(client) / "adapter_model.safetensors"))
         fb = load_file(str(local.local_adapter(client) / "adapter_model.safetensors"))
         assert all(torch.allclose(fa[k], fb[k], atol=1e-6) for k in fa)  # private state kept on the node
-        assert (Path(cfg.out) / "flower-clients" / client / "local.safetensors").is_file()  # mirrored to disk
+        mirror = Path(cfg.out) / "flower-clients" / client  # mirrored to disk: each round by version, then final
+        assert (mirror / "final" / "local.safetensors").is_file() and (mirror / "v1" / "local.safetensors").is_file()
         # the node embedded its own instances for the serving router, as the simulator does
         np.testing.assert_allclose(EmbeddingIndex.load(flower.client_dir(client)).raw,
                                    EmbeddingIndex.load(local.client_dir(client)).raw, atol=1e-5)

@@ -44,6 +44,7 @@ from training.rsea import (
 )
 from training.rsea_embed import EmbeddingAccumulator
 from training.runtime import Runtime
+from training.validation import layout_problem
 
 EMB = "emb."
 
@@ -140,6 +141,24 @@ class FedAMoLEStrategy(Strategy):
             mine = {m: self.assignment[m][c] for m in modules}
             out[c] = FitIns(round_idx, subset(state, mine, self.cfg.shared_expert), {"assignment": mine})
         return out
+
+    def check_upload(self, ins: FitIns, res: FitRes) -> str | None:
+        """The experts sent, trained, plus one embedding per module and held expert (1-D, one length, float)."""
+        problem = layout_problem(ins.state, {k: v for k, v in res.state.items() if not k.startswith(EMB)})
+        if problem is not None:
+            return problem
+        assignment = ins.config.get("assignment", {})
+        allowed = {f"{EMB}{m}.client" for m in assignment}
+        allowed |= {f"{EMB}{m}.{expert_name(j)}" for m, ids in assignment.items() for j in ids}
+        emb = {k: v for k, v in res.state.items() if k.startswith(EMB)}
+        extra = sorted(set(emb) - allowed)
+        if extra:
+            return f"upload has unexpected embeddings, e.g. {extra[:2]}"
+        if any(v.dim() != 1 or not v.is_floating_point() for v in emb.values()):
+            return "every embedding must be a 1-D float tensor"
+        if len({v.shape[0] for v in emb.values()}) > 1:
+            return "embeddings differ in length"
+        return None
 
     def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
                   state: StateDict) -> StateDict | None:

@@ -20,6 +20,7 @@ from typing import Any
 from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import FineTuneClient, fresh_local, train_local
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy
+from training.robust import RobustConfig
 
 
 class FedDPATClient(ClientAlgorithm):
@@ -43,7 +44,8 @@ class FedDPATClient(ClientAlgorithm):
 
 
 def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
+                          robust=RobustConfig.from_options(o))
 
 
 FEDDPA_T = Method(

@@ -22,6 +22,7 @@ from training.cka import linear_cka
 from training.features import mean_pool
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
+from training.robust import RobustConfig
 from training.runtime import Runtime
 
 
@@ -71,7 +72,7 @@ class FedMCPClient(ClientAlgorithm):
 
 
 def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting="equal")
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting="equal", robust=RobustConfig.from_options(o))
 
 
 FEDMCP = Method(

@@ -19,6 +19,7 @@ from training.algorithms.local import fresh_local
 from training.features import feature_distance, last_token
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
+from training.robust import RobustConfig
 from training.runtime import Runtime
 
 
@@ -65,7 +66,8 @@ class FedOAClient(ClientAlgorithm):
 
 
 def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
+                          robust=RobustConfig.from_options(o))
 
 
 FEDOA = Method(

@@ -161,6 +161,17 @@ class PFedSeqStrategy(FedAvgStrategy):
         self._sent = {c: checksum(ins.state) for c, ins in out.items()}
         return out
 
+    def check_upload(self, ins: FitIns, res: FitRes) -> str | None:
+        """An update of the adapter sent (its keys, shapes, dtypes) trained from exactly what was sent."""
+        problem = super().check_upload(ins, res)
+        if problem is not None:
+            return problem
+        try:
+            self._check_received(res)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def _check_received(self, res: FitRes) -> None:
         # theta_hat = sent + Delta is only right if the client trained from what was sent: a runtime that
         # broadcasts the global instead of each client's FitIns would silently corrupt the learner.
