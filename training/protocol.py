@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from training.regime import FEDDPA_REGIME, Regime
+
 if TYPE_CHECKING:
     from training.data import ClientData
     from training.runtime import Runtime
@@ -162,6 +164,8 @@ class Method:
         instance_weighting: the personalised model mixes (global, local) with FedDPA's instance-wise
             weight (paper 000 section 4.3), so training ends by saving each client's local-instance
             embeddings for the router; other methods' clients answer with their local adapter alone.
+        regime: the paper's client training (optimizer, lr and its decay, batch, epochs or steps, rounds),
+            defined in the method's module; FedDPA's for the baselines (:mod:`training.regime`).
     """
 
     name: str
@@ -174,6 +178,7 @@ class Method:
     inference_option: str | None = None
     export: Any = None
     instance_weighting: bool = False
+    regime: Regime = FEDDPA_REGIME
 
     def mixture_weight(self, options: Mapping[str, Any]) -> float | None:
         """The local adapter's inference weight under ``options``."""

@@ -132,6 +132,7 @@ def run_federated(
     method: str, dataset: FederatedDataset, loaded: LoadedModel, out_dir: str | Path, sim: SimConfig | int,
     train: TrainConfig, options: dict[str, Any] | None = None, resume: bool = False,
     data_spec: str = "custom", data_options: dict[str, Any] | None = None, model_name: str | None = None,
+    preset_name: str | None = None,
 ) -> RunSummary:
     """Train ``method`` on ``dataset`` and write a run directory (see :mod:`adapters.rundir`).
 
@@ -147,6 +148,7 @@ def run_federated(
         data_spec: the data set spec recorded in run.json (evaluation reloads the test sets from it).
         data_options: the loader's options recorded beside it.
         model_name: the base model recorded in run.json (default: the loaded model's name).
+        preset_name: the budget ``train`` was built with, recorded in run.json beside the method's regime.
 
     Raises:
         FileExistsError: ``out_dir`` already holds a run and ``resume`` is False (never overwritten).
@@ -160,7 +162,7 @@ def run_federated(
         opts = {**m.defaults, **(options or {}), "seed": sim.seed}
         config = run_record(m, opts, sim.round_config(), train, data=data_spec, data_options=data_options or {},
                             model=model_name or loaded.name, clients_per_task=sim.clients_per_task,
-                            device=str(loaded.device))
+                            device=str(loaded.device), preset=preset_name, regime=m.regime.asdict())
         if sim.clients_per_task > 1:
             dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.seed)
         if m.centralized:

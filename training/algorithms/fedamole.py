@@ -33,6 +33,7 @@ from adapters.amole_routing import AMoLERouting
 from training.data import collate
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.regime import Regime
 from training.rsea import (
     AMoLEConfig,
     add_dp_noise,
@@ -46,6 +47,12 @@ from training.rsea_embed import EmbeddingAccumulator
 from training.runtime import Runtime
 
 EMB = "emb."
+# Paper 002 App. D.1.2: Adam, batch 1, lr decayed x0.99 per round; the lr (5e-5), 200 steps per round, 30 rounds
+# and no schedule inside a round are the reference code's (the numbers are missing from the paper's text,
+# METHODS.md 1.7-1.8).
+REGIME = Regime(optimizer="adam", lr=5e-5, schedule="constant", round_decay=0.99, batch_size=1, local_epochs=1,
+                max_steps=200, rounds=30, source="paper 002 App. D.1.2 (Adam, batch 1, x0.99/round); "
+                "lr 5e-5, 200 steps, 30 rounds: reference code")
 
 
 def ensure_experts(rt: Runtime, cfg: AMoLEConfig, seed: int) -> None:
@@ -212,7 +219,7 @@ class FedAMoLEClient(ClientAlgorithm):
         try:
             res = train_adapters(rt, rt.examples(ctx.data), trainable, (), (), seed=derive_seed(ctx.seed, ins.round,
                                  ctx.client_id, "amole"), loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} amole",
-                                 extra_params=projs)
+                                 extra_params=projs, round_idx=ins.round)
         finally:
             for p in projs:
                 p.requires_grad_(False)
@@ -289,5 +296,5 @@ FEDAMOLE = Method(
     client=lambda o: FedAMoLEClient(_cfg(o), int(o.get("seed", 0))),
     defaults={"num_experts": 30, "expert_choices": 2, "top_k": 2, "min_experts": 2, "max_experts": 8,
               "load_balance_alpha": 0.001, "assignment": "rsea"},
-    export=export,
+    export=export, regime=REGIME,
 )

@@ -45,7 +45,7 @@ def train_global(ins: FitIns, ctx: ClientContext, loss_fn: LossFn = lm_loss) -> 
     rt.set("global", ins.state)
     res = train_adapters(rt, rt.examples(ctx.data), ["global"], ["global"], [1.0],
                          seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "global"),
-                         loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} global")
+                         loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} global", round_idx=ins.round)
     return rt.get("global"), res.metrics()
 
 

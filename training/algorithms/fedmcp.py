@@ -22,7 +22,12 @@ from training.cka import linear_cka
 from training.features import mean_pool
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
+from training.regime import Regime
 from training.runtime import Runtime
+
+# Paper 004 section 4.1: Adam, lr 5e-4, batch 64, one local epoch per round, 25 rounds (no schedule named).
+REGIME = Regime(optimizer="adam", lr=5e-4, schedule="constant", batch_size=64, local_epochs=1, rounds=25,
+                source="paper 004 s4.1 (Adam 5e-4, batch 64, 1 epoch, 25 rounds)")
 
 
 def fedmcp_loss(gamma: float, mu: float):
@@ -65,7 +70,8 @@ class FedMCPClient(ClientAlgorithm):
         rt.set("local", ctx.private.get("local") or fresh_local(ctx))
         res = train_adapters(rt, rt.examples(ctx.data), ["global", "local"], ["global", "local"], [0.5, 0.5],
                              seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "mcp"),
-                             loss_fn=fedmcp_loss(self.gamma, self.mu), desc=f"r{ins.round} {ctx.client_id} mcp")
+                             loss_fn=fedmcp_loss(self.gamma, self.mu), desc=f"r{ins.round} {ctx.client_id} mcp",
+                             round_idx=ins.round)
         ctx.private["local"] = rt.get("local")
         return FitRes(ctx.client_id, rt.get("global"), len(ctx.data.train), res.metrics())
 
@@ -77,5 +83,5 @@ def _strategy(o: Mapping[str, Any]) -> Strategy:
 FEDMCP = Method(
     name="fedmcp", strategy=_strategy,
     client=lambda o: FedMCPClient(gamma=float(o.get("gamma", 0.5)), mu=float(o.get("mu", 0.05))),
-    has_local=True, inference_weight=0.5, defaults={"gamma": 0.5, "mu": 0.05},
+    has_local=True, inference_weight=0.5, defaults={"gamma": 0.5, "mu": 0.05}, regime=REGIME,
 )

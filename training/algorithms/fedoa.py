@@ -19,7 +19,12 @@ from training.algorithms.local import fresh_local
 from training.features import feature_distance, last_token
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
+from training.regime import Regime
 from training.runtime import Runtime
+
+# Paper 001 section 5 and App. C: K = 2 local epochs, batch 32, T = 20; lr, AdamW and the linear decay are the
+# reference code's (same FedDPA skeleton, METHODS.md 3).
+REGIME = Regime(local_epochs=2, source="paper 001 s5.1 + App. C (K=2 epochs, batch 32, T=20); lr/AdamW: reference code")
 
 
 def fedoa_loss(lam: float, distance: str):
@@ -56,7 +61,7 @@ class FedOAClient(ClientAlgorithm):
             res = train_adapters(rt, rt.examples(ctx.data), ["local"], ["local"], [1.0],
                                  seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "local"),
                                  loss_fn=fedoa_loss(self.lam, self.distance),
-                                 desc=f"r{ins.round} {ctx.client_id} local")
+                                 desc=f"r{ins.round} {ctx.client_id} local", round_idx=ins.round)
             ctx.private["local"] = rt.get("local")
             metrics.update({f"local_{k}": v for k, v in res.metrics().items()})
         state, global_metrics = train_global(ins, ctx)
@@ -72,4 +77,5 @@ FEDOA = Method(
     name="fedoa", strategy=_strategy,
     client=lambda o: FedOAClient(lam=float(o.get("lambda", 0.5)), distance=str(o.get("distance", "l2"))),
     has_local=True, inference_weight=1.0, defaults={"lambda": 0.5, "distance": "l2", "weighting": "equal"},
+    regime=REGIME,
 )

@@ -35,7 +35,7 @@ def train_local(ctx: ClientContext, round_idx: int, start: StateDict, names: tup
     rt.set("local", start)
     res = train_adapters(rt, rt.examples(ctx.data), ["local"], names, weights,
                          seed=derive_seed(ctx.seed, round_idx, ctx.client_id, phase),
-                         desc=f"r{round_idx} {ctx.client_id} {phase}")
+                         desc=f"r{round_idx} {ctx.client_id} {phase}", round_idx=round_idx)
     ctx.private["local"] = rt.get("local")
     return {f"{phase}_{k}": v for k, v in res.metrics().items()}
 

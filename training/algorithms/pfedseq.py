@@ -44,6 +44,7 @@ from training.aggregate import weighted_average
 from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import train_local
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, derive_seed
+from training.regime import Regime
 from training.runtime import Runtime
 from training.seqlearn.history import Layout, UpdateHistory, calibrate, learner_step
 from training.seqlearn.learners import KINDS, make_learner
@@ -96,6 +97,10 @@ class PFedSeqConfig:
         return cls(**kwargs)
 
 
+# Paper 003 section 5 (Implementation): SGD, lr 0.005, batch 32, 1 local epoch, T = 80 rounds; the warm-up W
+# counts rounds, so a shorter budget scales it with the rounds.
+REGIME = Regime(optimizer="sgd", lr=0.005, schedule="constant", batch_size=32, local_epochs=1, rounds=80,
+                round_options=("warmup",), source="paper 003 s5 (SGD 0.005, batch 32, 1 epoch, T=80)")
 RECEIVED = "received_checksum"
 VERSION = 2  # of the strategy state: 1 packed the tensors as base64 text
 
@@ -280,4 +285,5 @@ PFEDSEQ = Method(
     name="pfedseq", strategy=_strategy, client=lambda o: PFedSeqClient(), has_local=True, inference_weight=1.0,
     defaults={"warmup": 10, "window": 10, "learner": "ssm", "learner_lr": 1e-3, "layers": 2, "d_state": 16,
               "expand": 2, "d_conv": 4, "chunk": 2048, "scan": "auto"},
+    regime=REGIME,
 )
