@@ -41,7 +41,10 @@ class BatchLoss(Protocol):
 
     def begin_step(self, runtime: Runtime, batches: Sequence[dict[str, torch.Tensor]], names: Sequence[str],
                    weights: torch.Tensor) -> None:
-        """Called once per optimizer step, inside the step's adapter context, with its collated micro-batches."""
+        """Called once per optimizer step with its collated micro-batches and the adapters' (1, K) weight row.
+
+        The loss sets the adapter context for its own forwards (one per micro-batch: rows differ).
+        """
 
     def __call__(self, runtime: Runtime, batch: dict[str, torch.Tensor], names: Sequence[str],
                  weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]: ...
@@ -139,9 +142,8 @@ def train_adapters(
             batches = [collate([examples[i] for i in idx[start:start + cfg.micro_batch_size]], pad_id=pad,
                                device=device) for start in range(0, len(idx), cfg.micro_batch_size)]
             if isinstance(loss_fn, BatchLoss):
-                with adapted.context.use(tuple(names), w_row.expand(len(idx), -1), trainable=in_forward), \
-                        runtime.loaded.autocast():
-                    loss_fn.begin_step(runtime, batches, names, w_row.expand(len(idx), -1))
+                with runtime.loaded.autocast():
+                    loss_fn.begin_step(runtime, batches, names, w_row)
             for batch in batches:
                 micro = batch["input_ids"]
                 w = w_row.expand(len(micro), -1)
