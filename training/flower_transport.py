@@ -114,6 +114,7 @@ class FlowerTransport(Transport):
         self.grid, self.timeout, self.has_local, self.client_dir = grid, timeout, has_local, client_dir
         self.lora, self.base_model = lora, base_model
         self._nodes: dict[str, int] | None = None
+        self._personal: dict[str, StateDict] = {}  # the server's personalised model per client (pFedSeq)
 
     @property
     def nodes(self) -> dict[str, int]:
@@ -129,10 +130,16 @@ class FlowerTransport(Transport):
     def fit(self, round_idx: int, instructions: Mapping[str, FitIns]) -> list[Reply]:
         return exchange(self.grid, {c: (self.nodes[c], ins) for c, ins in instructions.items()}, self.timeout)
 
+    def personalize(self, states: Mapping[str, StateDict]) -> None:
+        self._personal = dict(states)
+
     def finalize(self, state: StateDict, run: RunDir) -> None:
-        """Personalize (``train.finalize``) where clients keep a local adapter, then gather the PEFT folders."""
+        """Personalize (``train.finalize``) where clients keep a local adapter, then gather the PEFT folders.
+
+        Each client is sent the server's personalised model where the strategy has one (pFedSeq), else ``state``.
+        """
         if self.has_local:
-            sends = {c: (nid, FitIns(-1, state)) for c, nid in self.nodes.items()}
+            sends = {c: (nid, FitIns(-1, self._personal.get(c, state))) for c, nid in self.nodes.items()}
             for reply in exchange(self.grid, sends, self.timeout, FINALIZE):
                 if reply.result is None:
                     logger.warning("client %s did not finalize: %s", reply.client_id, reply.error)

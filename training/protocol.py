@@ -121,6 +121,15 @@ class Strategy(ABC):
         del round_idx, state
         return None
 
+    def personal_state(self, client_id: str, state: StateDict) -> StateDict | None:
+        """After the last round: what the server holds as ``client_id``'s personalised model, if anything.
+
+        None (the default): the client personalises from the final ``state`` itself (``finalize``).
+        pFedSeq returns Algorithm 1's aggregated global plus the client's last calibration.
+        """
+        del client_id, state
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """Server-side state for checkpoints: JSON data, torch tensors allowed at any depth (saved to
         ``strategy.safetensors``); empty for stateless strategies."""

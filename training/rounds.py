@@ -138,6 +138,10 @@ class Transport(ABC):
     def restore(self, private: dict[str, ClientState]) -> None:  # noqa: B027 - optional hook
         """Take back :meth:`private_states` from a checkpoint when a run resumes."""
 
+    def personalize(self, states: Mapping[str, StateDict]) -> None:  # noqa: B027 - optional hook
+        """Before :meth:`finalize`: the server's personalised model per client (``Strategy.personal_state``),
+        to hand each client in place of the final global state; transports that cannot ignore it."""
+
     @abstractmethod
     def finalize(self, state: StateDict, run: RunDir) -> None:
         """After the last round: each client's personalization; its local adapter and index into ``run``."""
@@ -282,6 +286,8 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
         if state:
             write_adapter_folder(run.global_adapter, plan.runtime.train.lora, state,
                                  plan.runtime.adapted.base_model_name)
+        personal = {c: strategy.personal_state(c, state) for c in plan.dataset.client_ids}
+        transport.personalize({c: s for c, s in personal.items() if s is not None})
         transport.finalize(state, run)
     summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
                          round(time.perf_counter() - t0, 2))

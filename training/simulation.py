@@ -82,6 +82,7 @@ class InProcessTransport(Transport):
         self.method, self.client, self.dataset, self.rt, self.sim = method, client, dataset, rt, sim
         self.private: dict[str, ClientState] = {}
         self._pending: dict[str, ClientState] = {}
+        self._personal: dict[str, StateDict] = {}  # the server's personalised model per client (pFedSeq)
 
     def _context(self, client_id: str, private: ClientState) -> ClientContext:
         return ClientContext(client_id, self.dataset.client(client_id), self.rt, private, self.sim.seed)
@@ -118,10 +119,14 @@ class InProcessTransport(Transport):
     def restore(self, private: dict[str, ClientState]) -> None:
         self.private = dict(private)
 
+    def personalize(self, states: Mapping[str, StateDict]) -> None:
+        self._personal = dict(states)
+
     def finalize(self, state: StateDict, run: RunDir) -> None:
         for c in tqdm(self.dataset.clients, desc="personalize", unit="client", leave=False):
             ctx = self._context(c.client_id, self.private.setdefault(c.client_id, {}))
-            finish_client(self.method, self.client, state, ctx, run.client_dir(c.client_id) if self.sim.embed else None)
+            finish_client(self.method, self.client, self._personal.get(c.client_id, state), ctx,
+                          run.client_dir(c.client_id) if self.sim.embed else None)
         lora, base = self.rt.train.lora, self.rt.adapted.base_model_name
         for cid, named in self.private.items():
             if "local" in named:
