@@ -112,6 +112,9 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--n-train", type=int, default=None, help="generated suite: training examples per client")
     p.add_argument("--n-test", type=int, default=None, help="generated suite: test examples per task")
     p.add_argument("--families", default=None, help="generated suite: comma-separated task families")
+    p.add_argument("--leave-out", default=None, metavar="TASKS",
+                   help="leave-one-task-out (FedOA): no client trains these comma-separated tasks; eval scores them "
+                        "as out-of-distribution (recorded in run.json, so eval reloads the same split)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, e.g. alpha=0.3, mu=0.01, lambda=0.5, weighting=num_examples")
     return p
@@ -136,6 +139,8 @@ def run_train(args: argparse.Namespace) -> int:
                 data_options[key] = getattr(args, key)
         if args.families:
             data_options["families"] = args.families.split(",")
+    if args.leave_out:
+        data_options["leave_out"] = [t for t in args.leave_out.split(",") if t]
     overrides = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in TRAIN_OVERRIDES}
     eff = method_settings(args.method, args.preset, args.rounds, options, **overrides)
     if args.print_config:

@@ -156,3 +156,20 @@ def test_fedprox_term_pulls_toward_the_received_global(rt: Runtime) -> None:
         res = client.fit(FitIns(round=0, state=received), _ctx(rt))
         drift[mu] = sum(float((res.state[k] - received[k]).norm()) for k in received)
     assert drift[1e4] < drift[0.0]
+
+
+def test_feddpa_inside_fedprox_trains_the_global_as_fedprox_does(rt: Runtime) -> None:
+    from training.algorithms.fedit import FedAvgClient
+
+    received = _received(rt, 4)
+    ins = FitIns(round=0, state=received)  # round 0: FedDPA-T trains the global step alone
+    dpa = FedDPATClient(alpha=0.5, mu=50.0).fit(ins, _ctx(rt)).state
+    prox = FedAvgClient(mu=50.0).fit(ins, _ctx(rt)).state
+    plain = FedDPATClient(alpha=0.5).fit(ins, _ctx(rt)).state
+    assert _equal(dpa, prox)  # the same global step as FedProx (same seed, same data)
+    assert not _equal(dpa, plain)  # and the proximal term changes it
+    # the proximal pull: closer to what was received than without it
+    dist = lambda s: sum(float((s[k] - received[k]).pow(2).sum()) for k in s)  # noqa: E731
+    assert dist(dpa) < dist(plain)
+    client = get_method("feddpa-t").client({"mu": 0.1})
+    assert client.prox.mu == 0.1 and get_method("feddpa-f").client({"mu": 0.1}).mu == 0.1
