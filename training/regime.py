@@ -75,6 +75,9 @@ class Regime:
 # FedDPA's (paper 000 section 5.1: batch 32, 10 local epochs, 20 rounds; lr, AdamW and the linear decay are
 # the reference code's HF Trainer, METHODS.md 2.3): the regime of every method without its own.
 FEDDPA_REGIME = Regime(source="paper 000 s5.1 + App. (batch 32, 10 epochs, K=20); lr/AdamW/linear: reference code")
+# Paper 000 App. B: the Local and Centralized baselines train 50 epochs, without communication rounds.
+BASELINE_REGIME = Regime(local_epochs=50, rounds=1, source="paper 000 App. B (50 epochs, one run); lr/AdamW: "
+                         "reference code")
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class Budget:
     """How much of a regime a run affords (``--preset``); the regime's optimizer, lr and schedule stay.
 
     Attributes:
-        rounds_scale: rounds = max(min_rounds, ceil(regime rounds * rounds_scale)).
+        rounds_scale: rounds = max(min_rounds, ceil(regime rounds * rounds_scale)), at most the regime's.
         min_rounds: the fewest rounds a scaled run gets.
         max_steps: cap on optimizer steps per local run (None: the regime's epochs or steps).
         max_batch: cap on the batch size (None: the regime's).
@@ -101,7 +104,8 @@ class Budget:
         """The rounds of ``regime`` under this budget."""
         if self.rounds_scale >= 1:
             return regime.rounds
-        return max(self.min_rounds, math.ceil(regime.rounds * self.rounds_scale))
+        # never more rounds than the paper's (the non-federated baselines train in one)
+        return min(regime.rounds, max(self.min_rounds, math.ceil(regime.rounds * self.rounds_scale)))
 
     def scale_option(self, value: int) -> int:
         """A round-counting option (pFedSeq's warm-up) scaled like the rounds."""

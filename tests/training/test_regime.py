@@ -31,6 +31,8 @@ PAPER = {
     "fedamole": ("adam", 5e-5, "constant", 0.99, 1, 1, 200, 30),
     "pfedseq": ("sgd", 0.005, "constant", 1.0, 32, 1, None, 80),
     "fedmcp": ("adam", 5e-4, "constant", 1.0, 64, 1, None, 25),
+    "local": ("adamw", 3e-4, "linear", 1.0, 32, 50, None, 1),  # paper 000 App. B: 50 epochs, no rounds
+    "centralized": ("adamw", 3e-4, "linear", 1.0, 32, 50, None, 1),
 }
 
 
@@ -60,7 +62,8 @@ def test_budgets_scale_the_budget_and_keep_the_regime(name: str) -> None:
         assert eff.train.micro_batch_size <= eff.train.batch_size
         if b.max_steps is not None:
             assert eff.train.max_steps == min(steps or b.max_steps, b.max_steps)
-        assert eff.rounds == (rounds if name == "paper" else max(b.min_rounds, -(-rounds * b.rounds_scale // 1)))
+        scaled = max(b.min_rounds, -(-rounds * b.rounds_scale // 1))
+        assert eff.rounds == (rounds if name == "paper" else min(rounds, scaled))
     # pFedSeq's warm-up counts rounds: scaled with them, so a short run still personalises after it.
     assert method_settings("pfedseq", "paper").options["warmup"] == 10
     small = method_settings("pfedseq", "small")

@@ -16,6 +16,7 @@ import torch
 from training.aggregate import Weighting, aggregate_results
 from training.local_train import LossFn, lm_loss, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.regime import BASELINE_REGIME
 from training.runtime import Runtime
 
 
@@ -87,4 +88,4 @@ FEDIT = Method(name="fedit", strategy=_strategy, client=lambda o: FedAvgClient(m
 FEDPROX = Method(name="fedprox", strategy=_strategy, client=lambda o: FedAvgClient(mu=float(o.get("mu", 0.01))),
                  defaults={"weighting": "equal", "mu": 0.01})
 CENTRALIZED = Method(name="centralized", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
-                     centralized=True)
+                     centralized=True, regime=BASELINE_REGIME)

@@ -14,6 +14,7 @@ from typing import Any
 from training.algorithms.fedit import FedAvgClient, FedAvgStrategy
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.regime import BASELINE_REGIME
 from training.runtime import Runtime
 
 
@@ -66,6 +67,6 @@ def _fedavg(o: Mapping[str, Any]) -> Strategy:
 
 
 LOCAL = Method(name="local", strategy=lambda o: NoServer(), client=lambda o: LocalClient(),
-               has_local=True, inference_weight=1.0)
+               has_local=True, inference_weight=1.0, regime=BASELINE_REGIME)
 FEDLORA = Method(name="fedlora", strategy=_fedavg, client=lambda o: FineTuneClient(), has_local=True,
                  inference_weight=1.0, defaults={"weighting": "equal"})
