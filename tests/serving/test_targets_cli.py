@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
 import torch
 
 from adapters import inject
@@ -71,3 +72,25 @@ def test_serve_arguments(tmp_path: Path) -> None:
     assert settings.run_dir == tmp_path / "run" and settings.api_keys == ["k"] and settings.max_loras == 3
     assert settings.adapters == [f"x={tmp_path}/a", f"b={tmp_path / 'b'}"]
     assert settings.host == "127.0.0.1" and settings.port == 9000
+
+
+def test_serves_matches_models_without_listing(tiny: LoadedModel, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``resolve`` accepts exactly the names ``models`` lists, and never builds that list (1,000-client runs)."""
+    for name, seed in (("g", 1), ("l", 2), ("x", 3)):
+        write_adapter(tiny, tmp_path / name, seed=seed)
+    adapted = inject(tiny.model)
+    pool = AdapterPool(adapted, root=tmp_path)
+    resolver = TargetResolver("tiny", pool)
+    names = ["tiny", "global", "c7", "c7:local", "extra", "c8", "nope", "c7:local:local", ""]
+    pool.load("c7:local", "l")
+    assert [n for n in names if resolver.serves(n)] == [n for n in names if n in resolver.models()] \
+        == ["tiny", "c7:local"]  # no global adapter: c7 is not a FedDPA client
+    pool.load("global", "g")
+    pool.load("extra", "x")
+    listed = resolver.models()
+    assert listed == ["tiny", "c7:local", "global", "extra", "c7"]
+    assert [n for n in names if resolver.serves(n)] == [n for n in names if n in listed]
+    monkeypatch.setattr(pool, "names", lambda: pytest.fail("resolve listed every adapter"))
+    assert resolver.resolve("c7").mode == "feddpa" and resolver.resolve("extra").mode == "adapter"
+    assert resolver.resolve("tiny").mode == "base"

@@ -30,26 +30,35 @@ from training.data.records import ClientData, DataError, FederatedDataset, Recor
 BENCHMARKS = {"feddpa1": ("feddpa", "dataset1"), "feddpa2": ("feddpa", "dataset2"), "dolly": ("dolly_fed8", "dataset1")}
 
 
-def _record(raw: Any, where: str, default_task: str = "") -> Record:
+def _record(raw: Any, where: str, default_task: str = "", require_output: bool = True) -> Record:
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     for name in ("instruction", "output"):
         if name not in raw:
+            if name == "output" and not require_output:
+                continue
             raise DataError(f"{where}: missing field {name!r} (fields: {sorted(raw)})")
         if not isinstance(raw[name], str):
             raise DataError(f"{where}: field {name!r} must be a string")
     category = str(raw.get("category") or "")
     return Record(
         instruction=raw["instruction"],
-        output=raw["output"],
+        output=raw.get("output", ""),
         input=str(raw.get("input") or ""),
         task=str(raw.get("task") or category or default_task),
         category=category,
     )
 
 
-def read_records(path: Path, default_task: str = "") -> list[Record]:
-    """Read a JSON list or a JSONL file of records, naming the file and line on any error."""
+def read_records(path: Path, default_task: str = "", require_output: bool = True) -> list[Record]:
+    """Read a JSON list or a JSONL file of records, naming the file and line on any error.
+
+    Args:
+        path: the ``.json`` (a list) or ``.jsonl`` file.
+        default_task: the task of records without a ``task`` or ``category`` field.
+        require_output: refuse records without ``output``; False reads them with an empty output, so
+            the caller can say why it needs one (evaluation: the metric scores against references).
+    """
     if not path.is_file():
         raise DataError(f"{path} does not exist")
     try:
@@ -72,7 +81,7 @@ def read_records(path: Path, default_task: str = "") -> list[Record]:
         if not isinstance(data, list):
             raise DataError(f"{path} must hold a JSON list of records, got {type(data).__name__}")
         rows = [(f"{path} record {i}", r) for i, r in enumerate(data)]
-    return [_record(r, where, default_task) for where, r in rows]
+    return [_record(r, where, default_task, require_output) for where, r in rows]
 
 
 def _finish(name: str, clients: list[ClientData], tests: dict[str, list[Record]]) -> FederatedDataset:
