@@ -120,12 +120,13 @@ class FlowerConfig:
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(model: str, preset_name: str, device: str = "") -> Runtime:
+def _runtime(model: str, preset_name: str, device: str = "", method: str = "fedit") -> Runtime:
     # One base model per node process: Ray actors are reused across rounds in simulation (federated.md 2.3).
     # Clients load every tensor they train from the message, so the cached adapters never leak into a fit.
     from models import load_base_model
 
-    return Runtime(load_base_model(model, device=device or None), preset(preset_name))
+    # the method's own paper regime under the preset's budget, as in the simulator (training/regime.py)
+    return Runtime(load_base_model(model, device=device or None), preset(preset_name, get_method(method).regime))
 
 
 @functools.lru_cache(maxsize=2)
@@ -164,7 +165,7 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         if addressed != client.client_id:
             raise ValueError(f"this node serves client {client.client_id!r}, the server addressed {addressed!r}")
         private_from, private_keep = read_private_versions(msg.content)
-        rt = _runtime(cfg.model, cfg.preset, cfg.device)
+        rt = _runtime(cfg.model, cfg.preset, cfg.device, cfg.method)
         store = PrivateStore(context, _client_dir(cfg) / client.client_id)
         m = get_method(cfg.method)
         opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
@@ -216,7 +217,7 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
         raise ValueError(f"{m.name} pools every client's data in one trainer; run it in the simulator")
     opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
     rounds = cfg.round_config()
-    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset))  # the initial state
+    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset, m.regime))  # initial state
     config = run_record(m, opts, rounds, rt.train, data=cfg.data, data_options=cfg.data_options, model=cfg.model,
                         clients_per_task=cfg.clients_per_task, device=str(rt.device), runtime="flower",
                         flower=asdict(cfg))

@@ -132,6 +132,7 @@ class FlowerTransport(Transport):
         self.committed: dict[str, int] = {}  # client -> round of its last aggregated reply
         self.history: deque[dict[str, int]] = deque(maxlen=max(2, keep) if keep > 0 else None)
         self._waited = False
+        self._personal: dict[str, StateDict] = {}  # the server's personalised model per client (pFedSeq)
 
     def _refresh(self) -> None:
         online = [int(n) for n in sorted(self.grid.get_node_ids())]
@@ -172,11 +173,17 @@ class FlowerTransport(Transport):
         self.history.clear()
         self.history.extend({str(c): int(v) for c, v in h.items()} for h in data.get("history", []))
 
+    def personalize(self, states: Mapping[str, StateDict]) -> None:
+        self._personal = dict(states)
+
     def finalize(self, state: StateDict, run: RunDir) -> None:
-        """Personalize (``train.finalize``) where clients keep a local adapter, then gather the PEFT folders."""
+        """Personalize (``train.finalize``) where clients keep a local adapter, then gather the PEFT folders.
+
+        Each client is sent the server's personalised model where the strategy has one (pFedSeq), else ``state``.
+        """
         if self.has_local:
             self._refresh()
-            sends = {c: (nid, FitIns(-1, state)) for c, nid in self.nodes.items()}
+            sends = {c: (nid, FitIns(-1, self._personal.get(c, state))) for c, nid in self.nodes.items()}
             for reply in exchange(self.grid, sends, self.timeout, FINALIZE, versions=self._versions(list(sends))):
                 if reply.result is None:
                     logger.warning("client %s did not finalize: %s", reply.client_id, reply.error)

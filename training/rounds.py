@@ -270,6 +270,8 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
         if state:
             lora, base = plan.runtime.train.lora, plan.runtime.adapted.base_model_name
             durable.write_folder(run.global_adapter, lambda tmp: write_adapter_folder(tmp, lora, state, base))
+        personal = {c: strategy.personal_state(c, state) for c in plan.dataset.client_ids}
+        transport.personalize({c: s for c, s in personal.items() if s is not None})
         transport.finalize(state, run)
     summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
                          round(time.perf_counter() - t0, 2))

@@ -68,6 +68,10 @@ class Transport(ABC):
     def load_state_dict(self, data: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Take back :meth:`state_dict` from the checkpoint a run resumes from."""
 
+    def personalize(self, states: Mapping[str, StateDict]) -> None:  # noqa: B027 - optional hook
+        """Before :meth:`finalize`: the server's personalised model per client (``Strategy.personal_state``),
+        to hand each client in place of the final global state; transports that cannot ignore it."""
+
     @abstractmethod
     def finalize(self, state: StateDict, run: RunDir) -> None:
         """After the last round: each client's personalization; its local adapter and index into ``run``."""

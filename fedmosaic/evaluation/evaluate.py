@@ -166,6 +166,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     for key in targets:
         grid[key] = grid[canonical[key]]
     summary = _write_outputs(run, out, cfg, dataset, test_set, clients, grid, opts)
+    if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
+        summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
     if weights:
         summary["feddpa_weights"] = weight_outputs(out, weights, {c: dataset.task_of(c) for c in clients})
@@ -200,6 +202,25 @@ def _generate_into(cache: PredictionCache, backend: EvalBackend, items: Sequence
             cache.append(item.checkpoint, item.key, item.task,
                          [make_row(item.i, item.prompt, item.reference, pred, item.tag)])
             bar.update(1)
+
+
+def _ood(out: Path, dataset: FederatedDataset, grid: dict[str, dict[str, Scores]], metric: str) -> dict:
+    """FedOA's leave-one-task-out scores (paper 001 Table 2): every target's mean over the held-out tasks.
+
+    Intra-client OOD is each client's personalised model (``<client>``) on the tasks nobody trained on;
+    inter-client OOD is the global model's. Appended to ``eval/table.md``.
+    """
+    held = list(dataset.held_out)
+    means = {key: sum(float(by_task[t].get(metric)) for t in held) / len(held)
+             for key, by_task in grid.items() if all(t in by_task for t in held)}
+    lines = [f"\nOut of distribution ({metric}, mean over held-out tasks {', '.join(held)}):\n",
+             "| target | " + " | ".join(held) + " | mean |", "| --- |" + " ---: |" * (len(held) + 1)]
+    for key, mean in means.items():
+        lines.append(f"| {key} | " + " | ".join(f"{float(grid[key][t].get(metric)):.2f}" for t in held)
+                     + f" | {mean:.2f} |")
+    with (out / "table.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    return {"held_out": held, "metric": metric, "mean": means}
 
 
 def _write_outputs(run: RunDir, out: Path, cfg: dict, dataset: FederatedDataset, test_set: TestSet,

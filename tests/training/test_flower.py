@@ -22,6 +22,7 @@ from adapters.amole_io import load_amole
 from adapters.rundir import RunDir
 from models import tiny_llama
 from routing.cache import EmbeddingIndex
+from training.algorithms import get_method
 from training.algorithms.fedamole import FedAMoLEStrategy, _cfg, subset
 from training.data import generate_suite
 from training.flower import FlowerConfig, run_flower_simulation
@@ -125,7 +126,8 @@ def test_fedamole_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
     flower = run_flower_simulation(cfg, num_clients=3)
     local = RunDir(tmp_path / "local")
     run_federated("fedamole", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root,
-                  SimConfig(rounds=2, embed=False), preset("tiny"), AMOLE, data_spec="generated",
+                  SimConfig(rounds=2, embed=False), preset("tiny", get_method("fedamole").regime), AMOLE,
+                  data_spec="generated",
                   data_options=DATA_OPTIONS)
     assert json.loads((flower.root / "summary.json").read_text())["failures"] == []
     assert not flower.global_adapter.exists()  # the method's export replaces the PEFT folders
@@ -163,7 +165,8 @@ def test_pfedseq_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> N
     flower = run_flower_simulation(cfg, num_clients=2)
     local = RunDir(tmp_path / "local")
     run_federated("pfedseq", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root,
-                  SimConfig(rounds=3, embed=False), preset("tiny"), PFEDSEQ, data_spec="generated",
+                  SimConfig(rounds=3, embed=False), preset("tiny", get_method("pfedseq").regime), PFEDSEQ,
+                  data_spec="generated",
                   data_options=DATA_OPTIONS)
     rows, sim_rows = _rows(flower), _rows(local)
     for r in (0, 1, 2):

@@ -18,6 +18,7 @@ import torch
 from training.aggregate import Weighting, aggregate_results
 from training.local_train import LossFn, lm_loss, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.regime import BASELINE_REGIME
 from training.robust import RobustConfig, robust_aggregate
 from training.runtime import Runtime
 
@@ -57,7 +58,7 @@ def train_global(ins: FitIns, ctx: ClientContext, loss_fn: LossFn = lm_loss) -> 
     rt.set("global", ins.state)
     res = train_adapters(rt, rt.examples(ctx.data), ["global"], ["global"], [1.0],
                          seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "global"),
-                         loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} global")
+                         loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} global", round_idx=ins.round)
     return rt.get("global"), res.metrics()
 
 
@@ -100,4 +101,4 @@ FEDIT = Method(name="fedit", strategy=_strategy, client=lambda o: FedAvgClient(m
 FEDPROX = Method(name="fedprox", strategy=_strategy, client=lambda o: FedAvgClient(mu=float(o.get("mu", 0.01))),
                  defaults={"weighting": "equal", "mu": 0.01})
 CENTRALIZED = Method(name="centralized", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
-                     centralized=True)
+                     centralized=True, regime=BASELINE_REGIME)

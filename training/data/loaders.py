@@ -155,7 +155,15 @@ def load_dataset(spec: str, data_dir: Path | None = None, **options: Any) -> Fed
             ``generated`` (the project's own task suite; ``options`` go to ``generate_suite``), or
             a folder in the FedDPA or the generic layout.
         data_dir: overrides the benchmark data folder.
+        **options: the loader's options; ``leave_out`` (a task, a comma-separated list or a list) drops the
+            clients of those tasks and keeps their test sets: FedOA's leave-one-task-out (paper 001 s5.1).
     """
+    held = options.pop("leave_out", None)
+    if held:
+        from training.data.partition import leave_out
+
+        tasks = held.split(",") if isinstance(held, str) else list(held)
+        return leave_out(load_dataset(spec, data_dir, **options), [t for t in tasks if t])
     if spec in BENCHMARKS:
         base = data_dir or settings.data_dir()
         if base is None:
