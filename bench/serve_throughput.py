@@ -6,29 +6,32 @@ Cases, interleaved round by round, medians reported:
   engine_feddpa       the continuous-batching engine, 8 ``<client>`` targets with instance-wise
                       FedDPA weights (paper 000 section 4.3), one batch mixing all 8 clients
   engine_base         the same 8 prompts on the bare base model, one batch
+  hf_generate_batch   the baseline: the same 8 prompts on a separate copy of the bare base model (no
+                      adapter layers), one left-padded ``model.generate`` call, eos ignored through
+                      ``min_new_tokens``, greedy, the same dtype and autocast
   engine_feddpa_seq   the engine, the 8 FedDPA requests one after another (no batching)
   peft_sequential     HF PEFT holding each client's (1 - a, a) mixture as one adapter (the exact
                       rank-concatenated export), ``set_adapter`` per request, ``generate`` one by one
 Then time to first token (TTFT) of one new request: on an idle engine, and while 7 other clients'
 requests are decoding (the engine's background thread; the new request is prefilled between steps).
-Prints one JSON object: aggregate decode tokens/s (tokens of all 8 requests / wall time), ratios, TTFT.
-Usage: python bench/serve_throughput.py [--tokens 32] [--rounds 3] [--model smollm2] [--dtype ...]
+Prints one JSON object: aggregate decode tokens/s (tokens of all 8 requests / wall time), ratios
+(``ratio_engine_base_to_hf_generate_batch`` >= 1.2, ``ratio_feddpa_to_base`` >= 0.90 and
+``ratio_feddpa_to_peft_sequential`` >= 5 are issue 14's targets), TTFT.
+Usage: python bench/serve_throughput.py [--tokens 32] [--rounds 3] [--model smollm2] [--dtype ...] [--threads 2]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from serve_common import build_run, interleave, median, prompts, timed  # bench/ is the script's folder
+from serve_common import apply_threads, build_run, interleave, median, parser, prompts, ratio, run_all, timed
 
 from adapters.export import export_mixture
-from models import load_base_model
-from models.settings import DTYPES
+from models import LoadedModel, load_base_model
 from serving.engine import EngineConfig
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
@@ -37,11 +40,11 @@ CLIENTS = 8
 
 
 def run_jobs(stack: ServingStack, jobs: list[Job]) -> float:
-    """Wall seconds to finish ``jobs`` together (continuous batching)."""
-    return timed(lambda: list(stack.run(jobs)))
+    """Wall seconds to finish ``jobs`` together (continuous batching); raises if one fails."""
+    return timed(lambda: run_all(stack, jobs))
 
 
-def peft_model(model_name: str, dtype: str | None, folders: list[Path]):
+def peft_model(model_name: str, dtype: str | None, folders: list[Path]) -> tuple[LoadedModel, torch.nn.Module]:
     """A separate copy of the base model with every client's mixture as a named PEFT adapter."""
     from peft import PeftModel
 
@@ -53,7 +56,9 @@ def peft_model(model_name: str, dtype: str | None, folders: list[Path]):
     return loaded, model
 
 
-def peft_sequential(loaded, model, texts: list[str], tokens: int) -> float:
+def peft_sequential(loaded: LoadedModel, model: torch.nn.Module, texts: list[str], tokens: int) -> float:
+    """Seconds to answer ``texts`` one by one, switching to each client's PEFT adapter first."""
+
     def go() -> None:
         for c, text in enumerate(texts):
             model.set_adapter(f"c{c}")
@@ -61,6 +66,25 @@ def peft_sequential(loaded, model, texts: list[str], tokens: int) -> float:
             with torch.inference_mode(), loaded.autocast():
                 model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                pad_token_id=loaded.tokenizer.pad_token_id)
+
+    return timed(go)
+
+
+def hf_generate_batch(loaded: LoadedModel, texts: list[str], tokens: int) -> float:
+    """Seconds for one left-padded ``generate`` over all ``texts`` on the bare base model (greedy, eos ignored)."""
+    tok = loaded.tokenizer
+    side = tok.padding_side
+    tok.padding_side = "left"
+    try:
+        ids = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tok.padding_side = side
+
+    def go() -> None:
+        with torch.inference_mode(), loaded.autocast():
+            out = loaded.model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                        pad_token_id=tok.pad_token_id)
+        assert out.shape == (len(texts), ids["input_ids"].shape[1] + tokens), out.shape
 
     return timed(go)
 
@@ -77,7 +101,8 @@ def ttft(stack: ServingStack, text: str, load: list[Job]) -> float:
         t0 = time.perf_counter()
         next(iter(sub.handle.stream()))
         seconds = time.perf_counter() - t0
-        sub.handle.result()
+        if (res := sub.handle.result()).finish_reason != "length":
+            raise RuntimeError(f"the TTFT request failed: {res.error}")
     finally:
         for b in background:
             b.handle.cancel()
@@ -86,15 +111,11 @@ def ttft(stack: ServingStack, text: str, load: list[Job]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default=None, choices=DTYPES)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """Build the run, interleave the cases, print the JSON figures."""
+    p = parser(__doc__)
+    p.add_argument("--tokens", type=int, default=32, help="tokens decoded per request")
+    args = p.parse_args()
+    apply_threads(args)
     loaded = load_base_model(args.model, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(loaded, Path(tmp))
@@ -113,10 +134,13 @@ def main() -> None:
             folders.append(export_mixture(stack.adapted, [(g, 1 - alpha), (loc, alpha)], Path(tmp) / "peft" / f"c{c}"))
             lease.release()
         ploaded, pmodel = peft_model(args.model, args.dtype, folders)
+        bare = load_base_model(args.model, dtype=args.dtype)  # a third copy: no adapter layers at all
         run_jobs(stack, feddpa[:2])  # warm-up
+        hf_generate_batch(bare, texts, 2)
         seconds = interleave({
             "engine_feddpa": lambda: run_jobs(stack, feddpa),
             "engine_base": lambda: run_jobs(stack, base),
+            "hf_generate_batch": lambda: hf_generate_batch(bare, texts, args.tokens),
             "engine_feddpa_seq": lambda: sum(run_jobs(stack, [j]) for j in feddpa),
             "peft_sequential": lambda: peft_sequential(ploaded, pmodel, texts, args.tokens),
         }, args.rounds)
@@ -129,14 +153,16 @@ def main() -> None:
                             "under_load_7": lambda: ttft(stack, probe, load)}, args.rounds)
     print(json.dumps({
         "model": args.model, "dtype": loaded.dtype, "threads": torch.get_num_threads(), "clients": CLIENTS,
+        "runner": "fused" if stack.engine.executor.fast is not None else "hf",
         "tokens_per_request": args.tokens, "rounds": args.rounds, "feddpa_routing": stack.routing,
         "decode_tokens_per_s": tps,
         "wall_s_median": {k: median(v) for k, v in seconds.items()},
-        "ratio_feddpa_to_base": round(tps["engine_feddpa"] / tps["engine_base"], 3),
-        "ratio_feddpa_to_peft_sequential": round(tps["engine_feddpa"] / tps["peft_sequential"], 3),
-        "ratio_feddpa_batched_to_sequential": round(tps["engine_feddpa"] / tps["engine_feddpa_seq"], 3),
+        "ratio_engine_base_to_hf_generate_batch": ratio(tps["engine_base"], tps["hf_generate_batch"]),
+        "ratio_feddpa_to_base": ratio(tps["engine_feddpa"], tps["engine_base"]),
+        "ratio_feddpa_to_peft_sequential": ratio(tps["engine_feddpa"], tps["peft_sequential"]),
+        "ratio_feddpa_batched_to_sequential": ratio(tps["engine_feddpa"], tps["engine_feddpa_seq"]),
         "ttft_ms_median": {k: round(1e3 * median(v), 1) for k, v in ttfts.items()},
-        "ttft_ratio_load_to_idle": round(median(ttfts["under_load_7"]) / median(ttfts["idle"]), 3),
+        "ttft_ratio_load_to_idle": ratio(median(ttfts["under_load_7"]), median(ttfts["idle"])),
     }, indent=2))
 
 

@@ -19,6 +19,11 @@ The reference code (METHODS.md section 2.4 and section 6 item 4) differs: it emb
 adapter, does not clip the cosine, and gives ``a`` to the GLOBAL adapter. ``variant="reference"``
 reproduces the weight assignment ``(a, 1 - a)``; which adapter is on while embedding is the caller's
 choice (``routing.embedding``), and ``clip=False`` drops the clipping.
+
+``similarity`` is paper 000's Table 9 ablation: ``cosine`` (the paper), ``neg_l2`` (minus the Euclidean
+distance of the raw states; unbounded below, so with clipping ``a`` is 0 unless the states nearly
+coincide, and the paper states no scaling) or ``pearson`` (the cosine of the mean-centred states). In
+``knn`` mode the S neighbours are the nearest by cosine; the chosen measure is then taken on them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,19 @@ WEIGHTINGS: tuple[str, ...] = ("paper", "calibrated")
 # The instance-wise rule served and evaluated by default: calibrated separates a client's own task from
 # the others where the paper's rule does not (README, "Instance-wise weighting", measured figures).
 DEFAULT_WEIGHTING: Weighting = "calibrated"
+Similarity = Literal["cosine", "neg_l2", "pearson"]
+
+
+def similarities(query: np.ndarray, vectors: np.ndarray, kind: Similarity = "cosine") -> np.ndarray:
+    """Similarity of ``query`` (H,) to each row of ``vectors`` (S, H) under ``kind`` (float64, (S,))."""
+    q, v = query.astype(np.float64), vectors.astype(np.float64)
+    if kind == "neg_l2":
+        return -np.linalg.norm(v - q, axis=1)
+    if kind == "pearson":
+        q, v = q - q.mean(), v - v.mean(axis=1, keepdims=True)
+    elif kind != "cosine":
+        raise RoutingError(f"FedDPA similarity must be cosine, neg_l2 or pearson, got {kind!r}")
+    return (v @ q) / np.maximum(np.linalg.norm(v, axis=1) * np.linalg.norm(q), 1e-12)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +75,7 @@ class FedDPARouter:
         variant: ``paper`` gives ``a`` to the local adapter, ``reference`` to the global one.
         weighting: ``paper`` (``lambda * mean cosine``) or ``calibrated`` (centred score mapped by the
             client's calibration; ``routing.calibration``).
+        similarity: ``cosine`` (paper), ``neg_l2`` or ``pearson`` (paper 000 Table 9's ablation).
     """
 
     lambda_: float = 1.0
@@ -66,6 +85,7 @@ class FedDPARouter:
     seed: int | None = None
     variant: Variant = "paper"
     weighting: Weighting = "paper"
+    similarity: Similarity = "cosine"
     _rng: np.random.Generator = field(init=False, repr=False)
     # np.random.Generator is not thread-safe and the HTTP server routes from several threads
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
@@ -82,6 +102,8 @@ class FedDPARouter:
             raise RoutingError(f"FedDPA variant must be 'paper' or 'reference', got {self.variant!r}")
         if self.weighting not in WEIGHTINGS:
             raise RoutingError(f"FedDPA weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.similarity not in ("cosine", "neg_l2", "pearson"):
+            raise RoutingError(f"FedDPA similarity must be cosine, neg_l2 or pearson, got {self.similarity!r}")
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
 
     def decide(
@@ -117,13 +139,17 @@ class FedDPARouter:
             return self._calibrated(q, index, client)
         s = min(self.S, len(index))
         if self.mode == "knn":
-            sims = index.search(q, s)[0][0]  # (s,)
+            found = index.search(q, s)
+            sims, picked = found[0][0], found[1][0]  # (s,)
         elif generator is not None:
-            sims = index.cosines(q, index.sample(s, generator))
+            picked = index.sample(s, generator)
+            sims = index.cosines(q, picked)
         else:
             with self._lock:
                 picked = index.sample(s, self._rng)
             sims = index.cosines(q, picked)  # (s,)
+        if self.similarity != "cosine":
+            sims = similarities(q, index.raw[picked], self.similarity)
         mean = float(np.mean(sims, dtype=np.float64))
         a = self.lambda_ * mean
         if self.clip:
@@ -134,6 +160,8 @@ class FedDPARouter:
             "weighting": "paper", "mode": self.mode, "S": s, "S_requested": self.S, "mean_similarity": mean,
             "lambda": float(self.lambda_), "a": a, "variant": self.variant,
         }
+        if self.similarity != "cosine":
+            info["similarity"] = self.similarity
         if s < self.S:
             info["note"] = f"S={self.S} exceeds the {len(index)} stored instances; used all {len(index)}"
         if self.weighting == "calibrated":

@@ -14,9 +14,11 @@ Placement only (names, versions, capacity); the math lives in :mod:`adapters`. R
 * Adapter paths are resolved (symlinks included) and must stay inside the configured root.
 
 A training run directory (:mod:`adapters.rundir`) registers ``global`` and ``<client>:local`` for each
-client, and records each client's embedding files for FedDPA routing (paper 000 section 4.3) without
-loading them. All state changes happen under the engine's model lock, and every read-only view
-(:mod:`serving.pool_views`) reads under it too.
+client (:mod:`serving.pool_run`), and records each client's embedding files for FedDPA routing (paper
+000 section 4.3) without loading them; local adapters beyond the free slots are only registered
+(:meth:`AdapterPool.register`, loaded on first use like evicted ones), so a run with 1,000 clients
+neither reads 1,000 adapters at start-up nor holds more than ``max_loras``. All state changes happen
+under the engine's model lock, and every read-only view (:mod:`serving.pool_views`) reads under it too.
 
 A FedAMoLE model (an ``adapters/amole`` folder, or a run directory holding one; paper 002) is one
 entry too, of kind ``amole`` (:mod:`serving.amole_router`): it takes one slot, versions and leases
@@ -30,11 +32,11 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from adapters import AdaptedModel, AdapterError, load_adapter
-from adapters.rundir import RunDir
+from adapters.io import CONFIG_FILE, WEIGHTS_FILE
 from serving.amole_router import AMoLEClientRoute, AMoLERegistry, amole_folder, client_names, load_bundle, unload_bundle
 from serving.errors import (
     AdapterExists,
@@ -45,9 +47,18 @@ from serving.errors import (
     NoFreeSlot,
     PathNotAllowed,
 )
+from serving.pool_run import ClientFiles, RunInfo, register_run
 from serving.pool_views import PoolViews
 
+__all__ = ["AdapterInfo", "AdapterPool", "ClientFiles", "Lease", "RunInfo"]
+
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
+
+
+def _check_name(name: str) -> None:
+    """Refuse a name that is not a plain adapter name (AdapterLoadFailed)."""
+    if not _NAME.match(name) or name.endswith(":"):
+        raise AdapterLoadFailed(f"invalid adapter name {name!r}: use letters, digits, '_', '-', '.', ':'")
 
 
 @dataclass(frozen=True)
@@ -62,29 +73,6 @@ class AdapterInfo:
     leases: int
     kind: str = "lora"
     clients: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ClientFiles:
-    """One client of a run: its local adapter's pool name and its embedding files (paths only)."""
-
-    client: str
-    local: str | None
-    embeddings_npy: Path | None
-    embeddings_faiss: Path | None
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What :meth:`AdapterPool.load_run` registered from a run directory."""
-
-    root: Path
-    method: str
-    base_model: str
-    inference_weight: float | None
-    global_name: str | None
-    clients: dict[str, ClientFiles] = field(default_factory=dict)
-    amole: str | None = None  # the pool name of the run's AMoLE model (FedAMoLE runs)
 
 
 @dataclass(eq=False)
@@ -181,8 +169,7 @@ class AdapterPool(PoolViews):
                 ``replace`` is False.
             PathNotAllowed, AdapterLoadFailed, NoFreeSlot: see the module docstring.
         """
-        if not _NAME.match(name) or name.endswith(":"):
-            raise AdapterLoadFailed(f"invalid adapter name {name!r}: use letters, digits, '_', '-', '.', ':'")
+        _check_name(name)
         folder = self.resolve(path)
         amole = amole_folder(folder)
         if amole is None and (folder / "run.json").is_file():
@@ -193,9 +180,7 @@ class AdapterPool(PoolViews):
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
         with self.lock:
-            old = self._entries.get(name)
-            if old is not None and not replace:
-                raise AdapterExists(f"adapter {name!r} is already loaded; unload it or ask for a reload")
+            old = self._registered(name, replace)
             self._check_names(name, clients)
             entry = _Entry(name=name, path=amole or folder, pinned=pinned if old is None else (pinned or old.pinned),
                            kind="amole" if amole is not None else "lora", clients=clients)
@@ -207,6 +192,38 @@ class AdapterPool(PoolViews):
             for client in clients:
                 self._amole_clients[client] = name
             return self._info(entry)
+
+    def register(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+        """Register the PEFT folder ``path`` as ``name`` without loading it (it loads when first leased).
+
+        Only the name, the path and the folder's two PEFT files are checked now; a folder that does not
+        fit the model raises AdapterLoadFailed when first leased (as an evicted one whose folder changed).
+
+        Raises:
+            AdapterExists: ``name`` is registered and ``replace`` is False.
+            PathNotAllowed, AdapterLoadFailed: see :meth:`load`.
+        """
+        _check_name(name)
+        folder = self.resolve(path)
+        missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
+        if missing:
+            raise AdapterLoadFailed(f"adapter folder {path} has no {' or '.join(missing)}")
+        with self.lock:
+            old = self._registered(name, replace)
+            self._check_names(name, ())
+            entry = _Entry(name=name, path=folder, pinned=pinned if old is None else (pinned or old.pinned))
+            if old is not None:
+                self._retire(old)
+                self._forget_clients(old)
+            self._entries[name] = entry
+            return self._info(entry)
+
+    def _registered(self, name: str, replace: bool) -> _Entry | None:
+        """The entry registered as ``name`` (None if none); AdapterExists unless ``replace``."""
+        old = self._entries.get(name)
+        if old is not None and not replace:
+            raise AdapterExists(f"adapter {name!r} is already loaded; unload it or ask for a reload")
+        return old
 
     def _check_names(self, name: str, clients: tuple[str, ...]) -> None:
         """Refuse names that would make a ``model`` name ambiguous (a client served twice)."""
@@ -245,39 +262,13 @@ class AdapterPool(PoolViews):
             self._forget_clients(entry)
 
     def load_run(self, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
-        """Register a training run's global adapter and every client's local adapter.
+        """Register a training run's global adapter and every client's local adapter (:mod:`serving.pool_run`).
 
         Args:
             run_dir: a run directory (``run.json``, ``adapters/global``, ``adapters/clients/<id>/local``).
             pin_global: pin ``global`` (every FedDPA request uses it).
         """
-        run = RunDir(self.resolve(run_dir))
-        try:
-            config = run.read_config()
-        except AdapterError as exc:
-            raise AdapterLoadFailed(str(exc)) from exc
-        global_name = amole = None
-        if run.global_adapter.is_dir():
-            self.load("global", run.global_adapter, pinned=pin_global, replace=True)
-            global_name = "global"
-        clients: dict[str, ClientFiles] = {}
-        if amole_folder(run.amole) is not None:
-            amole = "amole"
-            info = self.load(amole, run.amole, pinned=True, replace=True)
-            clients.update((c, ClientFiles(c, None, None, None)) for c in info.clients)
-        for client in run.clients():
-            local = None
-            if run.local_adapter(client).is_dir():
-                local = f"{client}:local"
-                self.load(local, run.local_adapter(client), replace=True)
-            npy = run.embeddings(client)
-            faiss = npy.with_suffix(".faiss")
-            clients[client] = ClientFiles(client, local, npy if npy.is_file() else None,
-                                          faiss if faiss.is_file() else None)
-        weight = config.get("inference_weight")
-        return RunInfo(root=run.root, method=str(config.get("method", "")), base_model=str(config.get("model", "")),
-                       inference_weight=float(weight) if isinstance(weight, int | float) else None,
-                       global_name=global_name, clients=clients, amole=amole)
+        return register_run(self, run_dir, pin_global)
 
     # --- leases --------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from models.settings import DEVICE_HELP, device_option, resolve_device
 from serving.settings import ServeSettings
 
@@ -59,7 +61,29 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="who sees FedDPA similarities in responses (default: admin keys only)")
     p.add_argument("--protect-metrics", action=argparse.BooleanOptionalAction, default=None,
                    help="/metrics needs an admin key")
+    p.add_argument("--max-waiting", type=int, default=None, help="queued requests before 429 (default 64)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens prefilled per engine step, longer prompts in chunks (default 512)")
+    p.add_argument("--request-timeout", type=_timeout, default=None,
+                   help="seconds before a request is cancelled and answered 504; 'none' for no deadline (default 600)")
+    p.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="seconds running requests get to finish on shutdown (default 10)")
+    p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=None,
+                   help="exit with status 70 when the engine thread dies, for a supervisor to restart (default on)")
     return p
+
+
+_NO_DEADLINE = object()  # --request-timeout none: passed as None, which the settings read as "no deadline"
+
+
+def _timeout(text: str) -> float | object:
+    """``--request-timeout``: seconds, or ``none``."""
+    if text.strip().lower() == "none":
+        return _NO_DEADLINE
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {text!r}") from None
 
 
 # argparse destination -> ServeSettings field, for the options that map one to one
@@ -70,7 +94,10 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
-            "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens"}
+            "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",
+            "max_waiting": "max_waiting", "max_prefill_tokens": "max_prefill_tokens",
+            "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
+            "exit_on_engine_failure": "exit_on_engine_failure"}
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -89,7 +116,12 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     adapters = [s if "=" in s else f"{Path(s).resolve().name}={s}" for s in args.sources if s not in runs]
     if adapters:
         given["adapters"] = adapters
-    return ServeSettings(**given)
+    given = {k: None if v is _NO_DEADLINE else v for k, v in given.items()}
+    try:
+        return ServeSettings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise SystemExit(f"fedmosaic: invalid server settings: {problems}") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -286,10 +286,24 @@ class Engine(Lifecycle):
             self.begin_prefill(seq)
 
     def _prefill(self, finished: Finished) -> None:
+        # Routed rows whose routing pass ends here start their exact (second) pass in the same step
+        # when the step's token budget allows: a FedDPA request's first token comes one step sooner.
         budget = self.config.max_prefill_tokens
+        budget, rerouted = self._prefill_pass([s for s in self._active if s.phase in ("route", "fill")], budget,
+                                              finished)
+        if rerouted and budget > 0:
+            self._prefill_pass(rerouted, budget, finished)
+
+    def _prefill_pass(self, seqs: list[Sequence], budget: int,
+                      finished: Finished) -> tuple[int, list[Sequence]]:
+        """Prefill one chunk of each of ``seqs`` within ``budget`` tokens.
+
+        Returns:
+            The budget left and the sequences this pass moved from ``route`` to ``fill``.
+        """
         plain: list[tuple[Sequence, PrefillRow]] = []
         solo: list[tuple[Sequence, PrefillRow]] = []  # AMoLE rows: alone, so their last token is the last column
-        for seq in [s for s in self._active if s.phase in ("route", "fill")]:
+        for seq in seqs:
             if budget <= 0:
                 break
             n = min(len(seq.ids) - seq.filled, budget)
@@ -300,6 +314,7 @@ class Engine(Lifecycle):
                              seq.adapters, want_state=seq.phase == "route",
                              all_logits=final and req.sampling.prompt_logprobs is not None)
             (plain if seq.adapters.plain else solo).append((seq, row))
+        rerouted: list[Sequence] = []
         groups = ([plain] if plain else []) + [[item] for item in solo]
         for group in groups:
             outs = self.executor.prefill([row for _, row in group])
@@ -311,12 +326,16 @@ class Engine(Lifecycle):
                 if out.chunk_logits is not None:
                     self.record_prompt_logprobs(seq, row, out.chunk_logits)
                 seq.filled = row.end
+                routing = seq.phase == "route"
                 try:
                     if seq.filled == len(seq.ids) and self.prefilled(seq, out):
                         done.append((seq, out))
+                    elif routing and seq.phase == "fill":
+                        rerouted.append(seq)
                 except Exception as exc:  # noqa: BLE001 - a failing router fails its request only
                     self._fail(seq, exc, finished)
             self._first_tokens(done, finished)
+        return budget, rerouted
 
     def _first_tokens(self, done: list[tuple[Sequence, RowOut]], finished: Finished) -> None:
         if not done:

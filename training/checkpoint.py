@@ -2,9 +2,13 @@
 
 ``rounds/<r>/`` holds the server state (``server.safetensors``, the exact tensors, plus ``global/`` as
 a PEFT folder for evaluation), the strategy's extra state, every client's private tensors
-(``clients/<id>/<name>.safetensors``) and, written last, ``COMPLETE``. Every file is written to a
-temporary name and renamed into place, and only rounds with the marker count, so a crash
-mid-checkpoint never yields a half-written resume point.
+(``clients/<id>/<name>.safetensors``), the transport's state (``transport.json``: what a Flower server
+must remember about its nodes) and, written last, ``COMPLETE``: a manifest naming every other file with
+its size and SHA-256 as read back from disk. Every file is written durably (:mod:`training.durable`:
+temporary name, fsync, rename, fsync of the folder). A round counts as complete only when every file its
+manifest names reads back as written, so neither a crash mid-checkpoint nor a file torn after the fact
+(a power loss without fsync, a bad disk) yields a resume point; :func:`last_complete` falls back to the
+newest round that verifies. (A ``COMPLETE`` holding ``ok`` is a checkpoint from before manifests.)
 
 A strategy's state (:meth:`training.protocol.Strategy.state_dict`) is JSON data that may hold torch
 tensors at any depth. The tensors go to ``strategy.safetensors`` (exact dtype and bits, no text
@@ -25,47 +29,32 @@ its adapters, client states and ``strategy.json`` stay for evaluation and analys
 from __future__ import annotations
 
 import json
-import os
+import logging
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from adapters import LoraConfig, write_adapter_folder
 from adapters.rundir import RunDir, check_client_id
+from training import durable
 from training.protocol import StateDict
+
+logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 PRUNED = "STRATEGY_PRUNED"
 STRATEGY_JSON = "strategy.json"
 STRATEGY_TENSORS = "strategy.safetensors"
 TENSOR_REF = "__tensor__"
-
-
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
-    """Run ``write(tmp)`` on a temporary file beside ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+TRANSPORT_JSON = "transport.json"
 
 
 def _save(path: Path, state: StateDict) -> None:
-    _atomic(path, lambda tmp: save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp))
-
-
-def _write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+    durable.save_tensors(path, state)
 
 
 def _escape(part: object) -> str:
@@ -143,9 +132,9 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def save_round(
     run: RunDir, round_idx: int, server: StateDict, strategy: dict[str, Any], private: dict[str, dict[str, StateDict]],
-    lora: LoraConfig, base_model: str, peft_global: bool = True,
+    lora: LoraConfig, base_model: str, peft_global: bool = True, transport: dict[str, Any] | None = None,
 ) -> Path:
-    """Write round ``round_idx``'s checkpoint and mark it complete.
+    """Durably write round ``round_idx``'s checkpoint, then its ``COMPLETE`` manifest.
 
     Args:
         run: the run directory.
@@ -156,6 +145,7 @@ def save_round(
         lora: the LoRA config of the PEFT folder ``global/``.
         base_model: the base model name recorded in that folder.
         peft_global: write ``global/`` (methods with their own export skip it).
+        transport: the transport's JSON state (:meth:`training.rounds.Transport.state_dict`).
 
     Returns:
         The round's folder.
@@ -164,26 +154,47 @@ def save_round(
     if folder.exists():
         shutil.rmtree(folder)  # an incomplete earlier attempt at this round
     folder.mkdir(parents=True)
+    durable.fsync_dir(folder.parent)
     _save(folder / "server.safetensors", server)
     if server and peft_global:
-        write_adapter_folder(folder / "global", lora, server, base_model)
+        durable.write_folder(folder / "global", lambda tmp: write_adapter_folder(tmp, lora, server, base_model))
     skeleton, tensors = split_tensors(strategy)
     if tensors:
         _save(folder / STRATEGY_TENSORS, tensors)
-    _write_text(folder / STRATEGY_JSON, json.dumps(skeleton))
+    durable.write_text(folder / STRATEGY_JSON, json.dumps(skeleton))
+    durable.write_json(folder / TRANSPORT_JSON, transport or {})
     for client, named in private.items():
         for name, state in named.items():
             _save(folder / "clients" / check_client_id(client) / f"{name}.safetensors", state)
-    _write_text(folder / COMPLETE, "ok\n")  # last: the round counts only once everything above is in place
+    # last, and read back from disk: the round counts only once everything above is in place as written
+    written = [p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(durable.TMP_PREFIX)]
+    durable.write_manifest(folder / COMPLETE, folder, written)
     return folder
 
 
-def _problem(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete checkpoint, or None when it is."""
+def _problem(folder: Path, deep: bool = True) -> str | None:
+    """Why ``folder`` is not a complete checkpoint, or None when it is.
+
+    Args:
+        folder: a round's folder.
+        deep: check every file's SHA-256 against the manifest (False: presence and sizes only).
+    """
     if not (folder / COMPLETE).is_file():
         return f"no {COMPLETE} marker"
     if (folder / PRUNED).is_file():
         return f"its {STRATEGY_TENSORS} was pruned once a later round was complete (keep_strategy)"
+    try:
+        marker = (folder / COMPLETE).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"unreadable {COMPLETE} ({exc})"
+    if marker.strip() != "ok":  # "ok": a checkpoint from before manifests, checked as it always was
+        try:
+            manifest = json.loads(marker)
+        except ValueError:
+            return f"torn {COMPLETE} manifest"
+        problem = durable.manifest_problem(folder, manifest if isinstance(manifest, dict) else {}, deep)
+        if problem is not None:
+            return problem
     try:
         refs = _refs(json.loads((folder / STRATEGY_JSON).read_text()))
     except (OSError, ValueError) as exc:
@@ -199,8 +210,17 @@ def _problem(folder: Path) -> str | None:
 
 
 def last_complete(run: RunDir) -> int | None:
-    """The last round with a complete checkpoint, or None."""
-    return next((r for r in reversed(run.rounds()) if _problem(run.round_dir(r)) is None), None)
+    """The newest round whose checkpoint verifies (every file reads back as written), or None.
+
+    Newer rounds that do not verify are skipped with a warning naming what is wrong: the run resumes
+    from an older round and computes the skipped ones again.
+    """
+    for r in reversed(run.rounds()):
+        problem = _problem(run.round_dir(r))
+        if problem is None:
+            return r
+        logger.warning("round %d of %s is not a resume point: %s", r, run.root, problem)
+    return None
 
 
 def prune_strategy_state(run: RunDir, keep: int) -> list[int]:
@@ -219,13 +239,14 @@ def prune_strategy_state(run: RunDir, keep: int) -> list[int]:
         raise ValueError(f"keep_strategy must be >= 0, got {keep}")
     if keep == 0:
         return []
-    complete = [r for r in run.rounds() if _problem(run.round_dir(r)) is None]
+    complete = [r for r in run.rounds() if _problem(run.round_dir(r), deep=False) is None]
     pruned = []
     for r in complete[:-keep]:
         folder = run.round_dir(r)
         if (folder / STRATEGY_TENSORS).is_file():
-            _write_text(folder / PRUNED, "strategy tensors deleted; a later round is the resume point\n")
+            durable.write_text(folder / PRUNED, "strategy tensors deleted; a later round is the resume point\n")
             (folder / STRATEGY_TENSORS).unlink()
+            durable.fsync_dir(folder)
             pruned.append(r)
     return pruned
 
@@ -233,11 +254,13 @@ def prune_strategy_state(run: RunDir, keep: int) -> list[int]:
 def load_round(run: RunDir, round_idx: int) -> tuple[StateDict, dict[str, Any], dict[str, dict[str, StateDict]]]:
     """Read back (server state, strategy state with its tensors in place, private states by client and name).
 
+    The files are checked for presence and size here; :func:`last_complete` compares their contents.
+
     Raises:
         FileNotFoundError: the round has no complete checkpoint (the message says what is missing).
     """
     folder = run.round_dir(round_idx)
-    problem = _problem(folder)
+    problem = _problem(folder, deep=False)
     if problem is not None:
         raise FileNotFoundError(f"round {round_idx} has no complete checkpoint in {folder}: {problem}")
     server = load_file(str(folder / "server.safetensors"))
@@ -250,3 +273,9 @@ def load_round(run: RunDir, round_idx: int) -> tuple[StateDict, dict[str, Any], 
         for cdir in clients.iterdir():
             private[cdir.name] = {p.stem: load_file(str(p)) for p in cdir.glob("*.safetensors")}
     return server, strategy, private
+
+
+def load_transport_state(run: RunDir, round_idx: int) -> dict[str, Any]:
+    """The transport's state saved with round ``round_idx`` (empty for checkpoints written before it was)."""
+    path = run.round_dir(round_idx) / TRANSPORT_JSON
+    return json.loads(path.read_text()) if path.is_file() else {}

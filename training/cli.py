@@ -1,12 +1,77 @@
-"""``fedmosaic train``: arguments -> data set, base model, settings -> :func:`run_federated`."""
+"""``fedmosaic train``: arguments -> data set, base model, settings -> :func:`run_federated`.
+
+The training settings are the method's own regime (:mod:`training.regime`, defined in its module) under
+the ``--preset`` budget, then the command line's overrides; ``--print-config`` prints the result as JSON
+without training, and run.json records it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from models import settings
+
+if TYPE_CHECKING:
+    from training.runtime import TrainConfig
+
+TRAIN_OVERRIDES = (("lr", float), ("batch-size", int), ("micro-batch-size", int), ("local-epochs", int),
+                   ("max-steps", int), ("cutoff-len", int), ("optimizer", str), ("schedule", str),
+                   ("lr-decay", float))
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """A method's effective settings: its regime under a budget, with overrides.
+
+    Attributes:
+        method: the method's name.
+        preset: the budget's name.
+        train: local training settings.
+        rounds: communication rounds.
+        options: method options (defaults, round-counting ones scaled to the budget, then the user's).
+        regime: the paper regime it started from (JSON).
+    """
+
+    method: str
+    preset: str
+    train: TrainConfig
+    rounds: int
+    options: dict[str, Any]
+    regime: dict[str, Any]
+
+    def asdict(self) -> dict[str, Any]:
+        """JSON for ``--print-config``."""
+        return {"method": self.method, "preset": self.preset, "rounds": self.rounds, "train": self.train.asdict(),
+                "options": self.options, "regime": self.regime}
+
+
+def method_settings(method: str, preset_name: str = "paper", rounds: int | None = None,
+                    options: Mapping[str, Any] | None = None, **overrides: Any) -> MethodSettings:
+    """``method``'s paper regime under budget ``preset_name``, with ``rounds``, option and field overrides.
+
+    Args:
+        method: a registered method name.
+        preset_name: ``paper``, ``medium``, ``small`` or ``tiny``.
+        rounds: communication rounds (None: the regime's, scaled by the budget).
+        options: method options over its defaults.
+        **overrides: :class:`training.runtime.TrainConfig` fields (None values are ignored); ``lr_decay``
+            is ``round_decay``.
+    """
+    from training.algorithms import get_method
+    from training.regime import budget, scaled_options
+    from training.runtime import preset
+
+    m = get_method(method)
+    if "lr_decay" in overrides:
+        overrides["round_decay"] = overrides.pop("lr_decay")
+    train = preset(preset_name, m.regime, **overrides)
+    opts = {**scaled_options(m.regime, preset_name, m.defaults), **(options or {})}
+    n = rounds if rounds is not None else budget(preset_name).rounds(m.regime)
+    return MethodSettings(m.name, preset_name, train, n, opts, m.regime.asdict())
 
 
 def _value(text: str) -> Any:
@@ -24,10 +89,13 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p = sub.add_parser("train", help="federated training in the in-process simulator")
     p.add_argument("--method", required=True, choices=sorted(ALGORITHMS))
     p.add_argument("--data", default="generated", help="feddpa1 | feddpa2 | dolly | generated | a folder")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--out", required=True, help="the run directory to write")
+    p.add_argument("--rounds", type=int, default=None, help="default: the method's paper rounds, scaled by --preset")
+    p.add_argument("--out", default=None, help="the run directory to write (required unless --print-config)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective settings (the method's regime under --preset) as JSON and exit")
     p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny' (random, for smoke runs) or a folder")
-    p.add_argument("--preset", default="paper", choices=sorted(PRESETS), help="training budget preset")
+    p.add_argument("--preset", default="paper", choices=sorted(PRESETS),
+                   help="budget: scales rounds, steps per round, batch and cutoff; keeps the method's optimizer and lr")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fraction", type=float, default=1.0, help="share of clients per round")
     p.add_argument("--sample-rate", type=float, default=None, help="per-task client sampling (40-client study)")
@@ -39,12 +107,14 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--dtype", choices=settings.DTYPES, default=None,
                    help="default: FEDMOSAIC_DTYPE, else bfloat16 on CUDA and autocast-bf16 on the CPU")
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
-    for name, kind in (("lr", float), ("batch-size", int), ("micro-batch-size", int), ("local-epochs", int),
-                       ("max-steps", int), ("cutoff-len", int)):
-        p.add_argument(f"--{name}", type=kind, default=None, help="overrides the preset")
+    for name, kind in TRAIN_OVERRIDES:
+        p.add_argument(f"--{name}", type=kind, default=None, help="overrides the method's regime and the preset")
     p.add_argument("--n-train", type=int, default=None, help="generated suite: training examples per client")
     p.add_argument("--n-test", type=int, default=None, help="generated suite: test examples per task")
     p.add_argument("--families", default=None, help="generated suite: comma-separated task families")
+    p.add_argument("--leave-out", default=None, metavar="TASKS",
+                   help="leave-one-task-out (FedOA): no client trains these comma-separated tasks; eval scores them "
+                        "as out-of-distribution (recorded in run.json, so eval reloads the same split)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, e.g. alpha=0.3, mu=0.01, lambda=0.5, weighting=num_examples")
     return p
@@ -54,7 +124,6 @@ def run_train(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic train``."""
     from models import load_base_model
     from training.data import load_dataset
-    from training.runtime import preset
     from training.simulation import SimConfig, run_federated
 
     options: dict[str, Any] = {}
@@ -70,16 +139,23 @@ def run_train(args: argparse.Namespace) -> int:
                 data_options[key] = getattr(args, key)
         if args.families:
             data_options["families"] = args.families.split(",")
+    if args.leave_out:
+        data_options["leave_out"] = [t for t in args.leave_out.split(",") if t]
+    overrides = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in TRAIN_OVERRIDES}
+    eff = method_settings(args.method, args.preset, args.rounds, options, **overrides)
+    if args.print_config:
+        print(json.dumps(eff.asdict(), indent=2, sort_keys=True))
+        return 0
+    if not args.out:
+        raise SystemExit("fedmosaic train: --out is required (or pass --print-config)")
     dataset = load_dataset(args.data, **data_options)
     loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)
-    train = preset(args.preset, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                   local_epochs=args.local_epochs, max_steps=args.max_steps, cutoff_len=args.cutoff_len)
-    sim = SimConfig(rounds=args.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
+    sim = SimConfig(rounds=eff.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
                     client_timeout_s=args.timeout, keep_strategy=args.keep_strategy,
                     clients_per_task=args.clients_per_task)
-    summary = run_federated(args.method, dataset, loaded, args.out, sim, train, options, resume=args.resume,
+    summary = run_federated(args.method, dataset, loaded, args.out, sim, eff.train, eff.options, resume=args.resume,
                             data_spec=args.data, data_options=data_options,
-                            model_name=args.model)
+                            model_name=args.model, preset_name=args.preset)
     print(f"{summary.method}: {summary.rounds} rounds in {summary.seconds:.1f} s -> {summary.run_dir}")
     print("  mean client loss per round: " + ", ".join(f"{x:.3f}" for x in summary.losses))
     print(f"  bytes up {summary.bytes_up:,}  down {summary.bytes_down:,}  failures {len(summary.failures)}")

@@ -16,8 +16,14 @@ their embedding set right after local training and upload the embeddings with th
 the server's RSEA turns them into the next round's assignment (round 0: random scores). So a round
 is one message per node, different per node (paper 002, section 4.4).
 
-Each node's private state (a local adapter) lives in ``Context.state`` and is mirrored to disk, since a
-SuperNode keeps that state in memory only. Only what the method uploads crosses the network.
+Each node's private state (a local adapter) lives in ``Context.state`` and is mirrored to disk by
+version (:mod:`training.node_state`), since a SuperNode keeps that state in memory only; each message
+names the version to start from. Only what the method uploads crosses the network.
+
+``resume`` (``--run-config resume=true``) continues the run in ``out`` after its newest round that
+verifies, the nodes' private state included: the server's checkpoint names each client's version, and
+the nodes read it from their mirror. The same config and data must be used; the SuperLink, the
+ServerApp and the SuperNodes may all be new processes.
 """
 
 from __future__ import annotations
@@ -29,18 +35,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from safetensors.torch import load_file, save_file
 
 from adapters.rundir import RunDir
 from models import settings
 from training.algorithms import get_method
-from training.flower_messages import identity_content, read_fit_content, reply_content
+from training.flower_messages import identity_content, read_fit_content, read_private_versions, reply_content
 from training.flower_transport import FlowerTransport
+from training.node_state import PrivateStore
 from training.personalize import finish_client
-from training.protocol import ClientContext, FitRes, StateDict
+from training.protocol import ClientContext, ClientState, FitRes
 from training.rounds import RoundConfig, RunPlan, run_record, run_rounds
 from training.runtime import Runtime, TrainConfig, preset
 
@@ -53,14 +59,16 @@ class FlowerConfig:
         method: a registered method name.
         data: data set spec (every node loads the same spec and takes its ``partition-id``).
         rounds: communication rounds.
-        out: run directory the server writes (checkpoints, final adapters); must not hold a run yet.
+        out: run directory the server writes (checkpoints, final adapters); must not hold a run yet,
+            unless ``resume``.
         model: base model (``smollm2``, ``tiny`` or a folder).
         preset: training preset name.
         seed: run seed.
         options: method options (JSON object).
         data_options: data set options (JSON object), e.g. the generated suite's sizes.
         client_dir: where nodes mirror their private state (default ``<out>/flower-clients``).
-        timeout: seconds the server waits for the replies of one exchange.
+        timeout: seconds the server waits for the replies of one exchange (and, before the first round,
+            for every selected client's node to connect).
         fraction: share of clients per round, drawn as the simulator draws them.
         keep_strategy: newest complete rounds that keep their strategy tensors (0: every round).
         clients_per_task: split every task's data into this many clients (paper 000 A.1's 40-client study).
@@ -68,6 +76,7 @@ class FlowerConfig:
         device: where the base model runs: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; empty (the
             default) lets each process decide by its own ``FEDMOSAIC_DEVICE`` (default ``auto``), since
             the server and every SuperNode may sit on different hardware.
+        resume: continue the run in ``out`` after its newest round that verifies (private state included).
     """
 
     method: str = "feddpa-t"
@@ -86,6 +95,7 @@ class FlowerConfig:
     clients_per_task: int = 1
     sample_rate: float | None = None
     device: str = ""
+    resume: bool = False
 
     def __post_init__(self) -> None:
         self.round_config()  # the loop's own checks (rounds, fraction, keep_strategy)
@@ -110,12 +120,13 @@ class FlowerConfig:
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(model: str, preset_name: str, device: str = "") -> Runtime:
+def _runtime(model: str, preset_name: str, device: str = "", method: str = "fedit") -> Runtime:
     # One base model per node process: Ray actors are reused across rounds in simulation (federated.md 2.3).
     # Clients load every tensor they train from the message, so the cached adapters never leak into a fit.
     from models import load_base_model
 
-    return Runtime(load_base_model(model, device=device or None), preset(preset_name))
+    # the method's own paper regime under the preset's budget, as in the simulator (training/regime.py)
+    return Runtime(load_base_model(model, device=device or None), preset(preset_name, get_method(method).regime))
 
 
 @functools.lru_cache(maxsize=2)
@@ -153,17 +164,24 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         addressed, ins = read_fit_content(msg.content)
         if addressed != client.client_id:
             raise ValueError(f"this node serves client {client.client_id!r}, the server addressed {addressed!r}")
-        rt = _runtime(cfg.model, cfg.preset, cfg.device)
-        mirror = _client_dir(cfg) / client.client_id
+        private_from, private_keep = read_private_versions(msg.content)
+        rt = _runtime(cfg.model, cfg.preset, cfg.device, cfg.method)
+        store = PrivateStore(context, _client_dir(cfg) / client.client_id)
         m = get_method(cfg.method)
         opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
-        ctx = ClientContext(client.client_id, client, rt, _load_private(context, mirror), cfg.seed)
+        ctx = ClientContext(client.client_id, client, rt, store.load(private_from), cfg.seed)
         if finalize:  # the router's index is built where the instances live
-            finish_client(m, m.client(opts), ins.state, ctx, mirror)
+
+            def personalize(folder: Path) -> ClientState:
+                finish_client(m, m.client(opts), ins.state, ctx, folder)
+                return ctx.private
+
+            store.save_final(personalize)
             res = FitRes(client.client_id, {}, len(client.train), {})
         else:
             res = m.client(opts).fit(ins, ctx)
-        _store_private(context, mirror, ctx.private)
+            store.save(ins.round, ctx.private)  # used only if the server aggregates this reply
+            store.prune(private_keep)
         return Message(content=reply_content(res), reply_to=msg)
 
     @app.train()
@@ -175,21 +193,6 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         return _fit(msg, context, finalize=True)
 
     return app
-
-
-def _load_private(context: Context, mirror: Path) -> dict[str, StateDict]:
-    private = {k[len("private."):]: v.to_torch_state_dict() for k, v in context.state.items()
-               if k.startswith("private.") and isinstance(v, ArrayRecord)}
-    if not private and mirror.is_dir():  # a restarted SuperNode: recover from the disk mirror
-        private = {p.stem: load_file(str(p)) for p in mirror.glob("*.safetensors")}
-    return private
-
-
-def _store_private(context: Context, mirror: Path, private: dict[str, StateDict]) -> None:
-    mirror.mkdir(parents=True, exist_ok=True)
-    for name, state in private.items():
-        context.state[f"private.{name}"] = ArrayRecord(torch_state_dict=state)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(mirror / f"{name}.safetensors"))
 
 
 def make_server_app(config: FlowerConfig | None = None) -> ServerApp:
@@ -214,13 +217,13 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
         raise ValueError(f"{m.name} pools every client's data in one trainer; run it in the simulator")
     opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
     rounds = cfg.round_config()
-    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset))  # the initial state
+    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset, m.regime))  # initial state
     config = run_record(m, opts, rounds, rt.train, data=cfg.data, data_options=cfg.data_options, model=cfg.model,
                         clients_per_task=cfg.clients_per_task, device=str(rt.device), runtime="flower",
                         flower=asdict(cfg))
     transport = FlowerTransport(grid, cfg.timeout, m.has_local, _client_dir(cfg), rt.train.lora,
-                                rt.adapted.base_model_name)
-    run_rounds(RunPlan(m, opts, _dataset(cfg), rt, run, rounds, config), transport)
+                                rt.adapted.base_model_name, keep=cfg.keep_strategy)
+    run_rounds(RunPlan(m, opts, _dataset(cfg), rt, run, rounds, config, resume=cfg.resume), transport)
 
 
 def _client_dir(cfg: FlowerConfig) -> Path:

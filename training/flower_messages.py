@@ -4,7 +4,9 @@ One message per node per round, each carrying that node's own :class:`~training.
 (anchors/federated.md 2.2, "per-client payloads"):
 
 * ``train`` (and ``train.finalize``), server -> node: ``arrays`` (an ``ArrayRecord``, the FitIns
-  state), ``config`` (round and the client id the server addresses) and ``fitins`` (the FitIns config);
+  state), ``config`` (round, the client id the server addresses, and the private-state versions:
+  ``private-from``, the one to start from, and ``private-keep``, the oldest a resume point may still
+  ask for; see :mod:`training.node_state`) and ``fitins`` (the FitIns config);
 * reply, node -> server: ``arrays`` (the FitRes state), ``metrics`` (``num-examples`` plus the FitRes
   metrics) and ``config`` (the client id that answered);
 * ``query.identify``, server -> node, once per run: the reply names the node's ``partition-id`` and
@@ -74,13 +76,27 @@ def decode_config(record: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fit_content(ins: FitIns, client_id: str) -> RecordDict:
-    """The content of the message that carries ``ins`` to the node serving ``client_id``."""
+def fit_content(ins: FitIns, client_id: str, private_from: int = -1, private_keep: int = -1) -> RecordDict:
+    """The content of the message that carries ``ins`` to the node serving ``client_id``.
+
+    Args:
+        ins: the client's instructions.
+        client_id: the client addressed.
+        private_from: the private-state version the node must start from (-1: none yet).
+        private_keep: the oldest version the node must keep (-1: all).
+    """
     return RecordDict({
         "arrays": ArrayRecord(torch_state_dict=dict(ins.state)),
-        "config": ConfigRecord({"round": int(ins.round), "client-id": client_id}),
+        "config": ConfigRecord({"round": int(ins.round), "client-id": client_id,
+                                "private-from": int(private_from), "private-keep": int(private_keep)}),
         "fitins": encode_config(ins.config),
     })
+
+
+def read_private_versions(content: RecordDict) -> tuple[int, int]:
+    """(``private-from``, ``private-keep``) of a :func:`fit_content`."""
+    meta = content["config"]
+    return int(meta.get("private-from", -1)), int(meta.get("private-keep", -1))
 
 
 def read_fit_content(content: RecordDict) -> tuple[str, FitIns]:

@@ -3,15 +3,22 @@
 :mod:`training.rounds` runs the loop in the ServerApp; this transport moves its messages ("write the
 loop yourself", anchors/federated.md 2.2):
 
-1. once per run, a ``query.identify`` message to every node: each answers with its ``partition-id``
-   and the data set client it serves, giving the node -> client map (:func:`identify_nodes`);
+1. a ``query.identify`` message to every node it does not know yet: each answers with its
+   ``partition-id`` and the data set client it serves, giving the client -> node map
+   (:func:`identify_nodes`). The first round waits (up to the timeout) until every selected client's
+   node is there; later rounds ask only nodes that joined since (a restarted SuperNode comes back
+   under a new node id and takes its client over) and forget nodes that went offline;
 2. each round, one ``train`` message per selected client to its node, carrying ITS instructions (the
-   wire format is :mod:`training.flower_messages`), all sent and collected with the Grid's
-   ``send_and_receive``; an error reply, a reply from the wrong client or none within the timeout is
-   that client's failure for the round (:func:`exchange`);
+   wire format is :mod:`training.flower_messages`) and the private-state version it must start from:
+   the round of its last aggregated reply (:mod:`training.node_state`), all sent and collected with the
+   Grid's ``send_and_receive``; an error reply, a malformed one, one from the wrong client or none
+   within the timeout is that client's failure for the round (:func:`exchange`);
 3. at the end, a ``train.finalize`` message for methods with a local adapter (each node personalizes
    and, for FedDPA, embeds its own instances), then the local adapters and indexes are gathered from
-   the nodes' disk mirror of their private state into the run directory.
+   the nodes' disk mirror (``<client_dir>/<client>/final/``) into the run directory.
+
+The version map (and the recent rounds' maps, which say what nodes must keep) is the transport's
+checkpointed state, so a resumed server addresses every node exactly as the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -28,45 +37,42 @@ from safetensors.torch import load_file
 
 from adapters import LoraConfig, write_adapter_folder
 from adapters.rundir import RunDir
+from training import durable
 from training.flower_messages import FINALIZE, IDENTIFY, fit_content, read_identity, read_reply_content
+from training.node_state import FINAL
 from training.protocol import FitIns, StateDict
-from training.rounds import Reply, Transport
+from training.transport import Reply, Transport
 
 logger = logging.getLogger(__name__)
 
 
-def identify_nodes(grid: Grid, timeout: float) -> dict[str, int]:
-    """client id -> node id, from one ``query.identify`` exchange with every connected node.
+def identify_nodes(grid: Grid, node_ids: Sequence[int], timeout: float) -> dict[str, int]:
+    """client id -> node id, from one ``query.identify`` exchange with ``node_ids``.
 
-    Waits up to ``timeout`` for a first node to connect; a node that answers with an error is logged
-    and left out.
-
-    Raises:
-        ValueError: two nodes serve the same client (two SuperNodes with one ``partition-id``).
-        RuntimeError: no node identified itself.
+    A node that answers with an error, or not in time, is logged and left out; when two nodes claim one
+    client, the one listed later (the newer) wins.
     """
-    deadline = time.monotonic() + timeout
-    while not (ids := sorted(grid.get_node_ids())) and time.monotonic() < deadline:
-        time.sleep(1.0)  # a deployment's SuperNodes may still be connecting
-    asked = [Message(content=RecordDict(), dst_node_id=nid, message_type=IDENTIFY) for nid in ids]
+    asked = [Message(content=RecordDict(), dst_node_id=nid, message_type=IDENTIFY) for nid in node_ids]
     nodes: dict[str, int] = {}
-    for reply in grid.send_and_receive(asked, timeout=timeout):
+    for reply in grid.send_and_receive(asked, timeout=timeout) if asked else []:
         src = int(reply.metadata.src_node_id)
         if reply.has_error():
             logger.warning("node %d did not identify itself: %s", src, reply.error.reason)
             continue
-        partition, cid = read_identity(reply.content)
+        try:
+            partition, cid = read_identity(reply.content)
+        except (KeyError, TypeError, ValueError) as exc:
+            logger.warning("node %d answered identify with a malformed reply: %s", src, exc)
+            continue
         if cid in nodes:
-            raise ValueError(f"nodes {nodes[cid]} and {src} both serve client {cid!r} (partition-id {partition})")
-        nodes[cid] = src
-    if not nodes:
-        raise RuntimeError(f"none of the {len(asked)} connected nodes identified itself")
+            logger.warning("nodes %d and %d both serve client %r (partition-id %d)", nodes[cid], src, cid, partition)
+        if cid not in nodes or list(node_ids).index(src) > list(node_ids).index(nodes[cid]):
+            nodes[cid] = src
     return nodes
 
 
-def exchange(
-    grid: Grid, sends: Mapping[str, tuple[int, FitIns]], timeout: float, message_type: str = MessageType.TRAIN
-) -> list[Reply]:
+def exchange(grid: Grid, sends: Mapping[str, tuple[int, FitIns]], timeout: float, message_type: str = MessageType.TRAIN,
+             versions: Mapping[str, tuple[int, int]] | None = None) -> list[Reply]:
     """Send each client its own instructions in one message to its node; collect the replies.
 
     Args:
@@ -74,13 +80,15 @@ def exchange(
         sends: client id -> (node id, that client's FitIns).
         timeout: seconds to wait for the replies.
         message_type: ``train`` (a round) or ``train.finalize``.
+        versions: client id -> (private-state version to start from, oldest to keep); absent: (-1, -1).
 
     Returns:
         One reply per client of ``sends``, in its order: the result, or the reason there is none (an
-        error reply, a reply from the wrong client, no reply in time).
+        error reply, a malformed one, a reply from the wrong client, no reply in time).
     """
-    messages = [Message(content=fit_content(ins, cid), dst_node_id=nid, message_type=message_type)
-                for cid, (nid, ins) in sends.items()]
+    versions = versions or {}
+    messages = [Message(content=fit_content(ins, cid, *versions.get(cid, (-1, -1))), dst_node_id=nid,
+                        message_type=message_type) for cid, (nid, ins) in sends.items()]
     client_of = {nid: cid for cid, (nid, _) in sends.items()}
     got: dict[str, Reply] = {}
     for reply in grid.send_and_receive(messages, timeout=timeout):
@@ -88,7 +96,11 @@ def exchange(
         if reply.has_error():
             got[cid] = Reply(cid, error=str(reply.error.reason))
             continue
-        res = read_reply_content(reply.content)
+        try:
+            res = read_reply_content(reply.content)
+        except (KeyError, TypeError, ValueError) as exc:  # not our wire format: this client's failure only
+            got[cid] = Reply(cid, error=f"malformed reply: {type(exc).__name__}: {exc}")
+            continue
         if res.client_id != cid:
             got[cid] = Reply(cid, error=f"the node answered as client {res.client_id!r}")
             continue
@@ -102,44 +114,87 @@ class FlowerTransport(Transport):
 
     Args:
         grid: the ServerApp's grid.
-        timeout: seconds to wait for the replies of one exchange.
+        timeout: seconds to wait for the replies of one exchange (and for the nodes before the first round).
         has_local: the method's clients end with a local adapter (they get a ``train.finalize``).
-        client_dir: where the nodes mirror their private state (``<client>/local.safetensors``, indexes).
+        client_dir: where the nodes mirror their private state (``<client>/final/`` after the last round).
         lora: the LoRA config of the local PEFT folders.
         base_model: the base model name recorded in them.
+        keep: the round loop's ``keep_strategy``: how many recent rounds are resume points (0: all), so
+            how far back nodes keep private-state versions (at least two rounds: one torn newest
+            checkpoint can fall back).
     """
 
     def __init__(self, grid: Grid, timeout: float, has_local: bool, client_dir: Path, lora: LoraConfig,
-                 base_model: str) -> None:
+                 base_model: str, keep: int = 1) -> None:
         self.grid, self.timeout, self.has_local, self.client_dir = grid, timeout, has_local, client_dir
         self.lora, self.base_model = lora, base_model
-        self._nodes: dict[str, int] | None = None
+        self.nodes: dict[str, int] = {}
+        self.committed: dict[str, int] = {}  # client -> round of its last aggregated reply
+        self.history: deque[dict[str, int]] = deque(maxlen=max(2, keep) if keep > 0 else None)
+        self._waited = False
+        self._personal: dict[str, StateDict] = {}  # the server's personalised model per client (pFedSeq)
 
-    @property
-    def nodes(self) -> dict[str, int]:
-        """client id -> node id, identified at the first use."""
-        if self._nodes is None:
-            self._nodes = identify_nodes(self.grid, self.timeout)
-        return self._nodes
+    def _refresh(self) -> None:
+        online = [int(n) for n in sorted(self.grid.get_node_ids())]
+        self.nodes = {c: n for c, n in self.nodes.items() if n in online}  # offline nodes are gone
+        new = [n for n in online if n not in self.nodes.values()]
+        for cid, nid in identify_nodes(self.grid, new, min(self.timeout, 60.0)).items():
+            if cid in self.nodes:
+                logger.info("client %s moved from node %d to node %d", cid, self.nodes[cid], nid)
+            self.nodes[cid] = nid
 
     def reachable(self, clients: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+        deadline = time.monotonic() + (0.0 if self._waited else self.timeout)
+        self._refresh()
+        while any(c not in self.nodes for c in clients) and time.monotonic() < deadline:
+            time.sleep(1.0)  # before the first round: a deployment's SuperNodes may still be connecting
+            self._refresh()
+        self._waited = True
         present = [c for c in clients if c in self.nodes]
         return present, [(c, "no connected node serves this client") for c in clients if c not in self.nodes]
 
+    def _versions(self, clients: Sequence[str]) -> dict[str, tuple[int, int]]:
+        full = self.history.maxlen is not None and len(self.history) == self.history.maxlen
+        return {c: (self.committed.get(c, -1), self.history[0].get(c, -1) if full else -1) for c in clients}
+
     def fit(self, round_idx: int, instructions: Mapping[str, FitIns]) -> list[Reply]:
-        return exchange(self.grid, {c: (self.nodes[c], ins) for c, ins in instructions.items()}, self.timeout)
+        return exchange(self.grid, {c: (self.nodes[c], ins) for c, ins in instructions.items()}, self.timeout,
+                        versions=self._versions(list(instructions)))
+
+    def commit(self, round_idx: int, accepted: Sequence[str]) -> None:
+        self.committed.update({c: round_idx for c in accepted})
+        self.history.append(dict(self.committed))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"committed": dict(self.committed), "history": [dict(h) for h in self.history]}
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        self.committed = {str(c): int(v) for c, v in data.get("committed", {}).items()}
+        self.history.clear()
+        self.history.extend({str(c): int(v) for c, v in h.items()} for h in data.get("history", []))
+
+    def personalize(self, states: Mapping[str, StateDict]) -> None:
+        self._personal = dict(states)
 
     def finalize(self, state: StateDict, run: RunDir) -> None:
-        """Personalize (``train.finalize``) where clients keep a local adapter, then gather the PEFT folders."""
+        """Personalize (``train.finalize``) where clients keep a local adapter, then gather the PEFT folders.
+
+        Each client is sent the server's personalised model where the strategy has one (pFedSeq), else ``state``.
+        """
         if self.has_local:
-            sends = {c: (nid, FitIns(-1, state)) for c, nid in self.nodes.items()}
-            for reply in exchange(self.grid, sends, self.timeout, FINALIZE):
+            self._refresh()
+            sends = {c: (nid, FitIns(-1, self._personal.get(c, state))) for c, nid in self.nodes.items()}
+            for reply in exchange(self.grid, sends, self.timeout, FINALIZE, versions=self._versions(list(sends))):
                 if reply.result is None:
                     logger.warning("client %s did not finalize: %s", reply.client_id, reply.error)
         for cdir in sorted(self.client_dir.iterdir()) if self.client_dir.is_dir() else []:
-            local = cdir / "local.safetensors"
+            final = cdir / FINAL
+            local = final / "local.safetensors"
             if local.is_file():
-                write_adapter_folder(run.local_adapter(cdir.name), self.lora, load_file(str(local)), self.base_model)
-            for index_file in sorted(cdir.glob("embeddings.*")):  # FedDPA's instance index, beside the adapter
+                tensors = load_file(str(local))
+                durable.write_folder(run.local_adapter(cdir.name),
+                                     lambda tmp, t=tensors: write_adapter_folder(tmp, self.lora, t, self.base_model))
+            for index_file in sorted(final.glob("embeddings.*")):  # FedDPA's instance index, beside the adapter
                 run.client_dir(cdir.name).mkdir(parents=True, exist_ok=True)
-                shutil.copy2(index_file, run.client_dir(cdir.name) / index_file.name)
+                durable.write_file(run.client_dir(cdir.name) / index_file.name,
+                                   lambda tmp, src=index_file: shutil.copyfile(src, tmp))

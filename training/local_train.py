@@ -1,8 +1,12 @@
 """The local training loop shared by every method: adapters to train, adapters mixed in, the data.
 
-As the FedDPA reference's HF Trainer (METHODS.md 2.3): a new optimizer every local run (AdamW, lr 3e-4,
-linear decay, no warm-up), ``local_epochs`` passes (or ``max_steps``), ``batch_size`` per step built from
-``micro_batch_size`` forwards with gradient accumulation, loss only on response tokens. Every random
+The settings are the method's regime (:mod:`training.regime`) under the run's budget: a new optimizer every
+local run (FedDPA: AdamW, lr 3e-4, linear decay, no warm-up, as the reference's HF Trainer, METHODS.md 2.3;
+FedAMoLE: Adam, constant inside the run, lr decayed x0.99 per round), ``local_epochs`` passes (or
+``max_steps``), ``batch_size`` per step built from ``micro_batch_size`` forwards with gradient accumulation,
+loss only on response tokens. A loss with a term over the whole logical batch (FedOA's feature distance,
+FedMCP's CKA) implements :class:`BatchLoss`: it sees every micro-batch of a step before the first one is
+differentiated, so its value and gradients do not depend on ``micro_batch_size``. Every random
 choice (shuffling, dropout) comes from the given seed, so a run resumed from a checkpoint repeats the
 uninterrupted run exactly. The forward uses the runtime's adapter context: ``names``/``weights`` say
 which adapters are on, ``trainable`` which of them get gradients (FedDPA-T's frozen global).
@@ -13,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from tqdm.auto import tqdm
@@ -22,12 +27,27 @@ from training.runtime import PRESETS, Runtime, TrainConfig, preset
 
 # TrainConfig and its presets live with the runtime (which owns the adapters' LoRA config); they are
 # re-exported here because this is where a method author looks for the training settings.
-__all__ = ["PRESETS", "LossFn", "TrainConfig", "TrainResult", "lm_loss", "preset", "train_adapters"]
+__all__ = ["PRESETS", "BatchLoss", "LossFn", "TrainConfig", "TrainResult", "lm_loss", "preset", "train_adapters"]
 
 # (runtime, batch, names, weights (B, K)) -> (loss, extra scalar metrics); the default is the LM loss.
 LossFn = Callable[
     [Runtime, dict[str, torch.Tensor], Sequence[str], torch.Tensor], tuple[torch.Tensor, dict[str, float]]
 ]
+
+
+@runtime_checkable
+class BatchLoss(Protocol):
+    """A loss that needs the whole logical batch: told about a step's micro-batches before they are run."""
+
+    def begin_step(self, runtime: Runtime, batches: Sequence[dict[str, torch.Tensor]], names: Sequence[str],
+                   weights: torch.Tensor) -> None:
+        """Called once per optimizer step with its collated micro-batches and the adapters' (1, K) weight row.
+
+        The loss sets the adapter context for its own forwards (one per micro-batch: rows differ).
+        """
+
+    def __call__(self, runtime: Runtime, batch: dict[str, torch.Tensor], names: Sequence[str],
+                 weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 @dataclass(frozen=True)
@@ -52,13 +72,13 @@ def lm_loss(runtime: Runtime, batch: dict[str, torch.Tensor], names: Sequence[st
     return out.loss, {}
 
 
-def _optimizer(runtime: Runtime, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer(runtime: Runtime, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     cfg = runtime.train
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr)
-    return torch.optim.SGD(params, lr=cfg.lr)
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
 
 
 def train_adapters(
@@ -71,6 +91,7 @@ def train_adapters(
     loss_fn: LossFn = lm_loss,
     desc: str = "train",
     extra_params: Sequence[torch.nn.Parameter] = (),
+    round_idx: int = 0,
 ) -> TrainResult:
     """Train ``trainable`` adapters on ``examples`` with adapters ``names`` mixed at ``weights``.
 
@@ -84,6 +105,7 @@ def train_adapters(
         loss_fn: the objective; the default is the LM loss.
         desc: progress-bar label.
         extra_params: further parameters to optimise (e.g. AMoLE token projections).
+        round_idx: the round, for the regime's per-round learning-rate decay (-1: a final fine-tune, round 0's).
     """
     cfg = runtime.train
     if not examples:
@@ -95,8 +117,11 @@ def train_adapters(
     adapted = runtime.adapted
     adapted.set_trainable(trainable)
     params = adapted.parameters_of(trainable) + list(extra_params)
-    opt = _optimizer(runtime, params)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
+    opt = _optimizer(runtime, params, cfg.round_lr(round_idx))
+    if cfg.schedule == "linear":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     pad, device = runtime.tokenizer.pad_token_id, runtime.device
     if len(weights) != len(names) or not all(math.isfinite(float(x)) for x in weights):
         raise ValueError(f"weights must be {len(names)} finite numbers for adapters {tuple(names)}, got {weights}")
@@ -114,9 +139,13 @@ def train_adapters(
             idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
             opt.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            for start in range(0, len(idx), cfg.micro_batch_size):
-                micro = [examples[i] for i in idx[start:start + cfg.micro_batch_size]]
-                batch = collate(micro, pad_id=pad, device=device)
+            batches = [collate([examples[i] for i in idx[start:start + cfg.micro_batch_size]], pad_id=pad,
+                               device=device) for start in range(0, len(idx), cfg.micro_batch_size)]
+            if isinstance(loss_fn, BatchLoss):
+                with runtime.loaded.autocast():
+                    loss_fn.begin_step(runtime, batches, names, w_row)
+            for batch in batches:
+                micro = batch["input_ids"]
                 w = w_row.expand(len(micro), -1)
                 with adapted.context.use(tuple(names), w, trainable=in_forward), runtime.loaded.autocast():
                     loss, extra = loss_fn(runtime, batch, names, w)

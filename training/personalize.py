@@ -12,6 +12,8 @@ instances live (the Flower server then gathers every ``embeddings.*`` file).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from routing.background import BACKGROUND_PROMPTS, background_id
 from routing.cache import EmbeddingIndex
 from routing.calibration import calibrate
 from routing.embedding import embed_prompts
+from training import durable
 from training.data import ClientData, PromptConfig, Record, prompt_texts
 from training.protocol import ClientAlgorithm, ClientContext, Method, StateDict
 from training.runtime import Runtime
@@ -45,14 +48,21 @@ def save_instance_index(rt: Runtime, client: ClientData, folder: Path) -> None:
     """Embed ``client``'s training instances with the runtime's ``global`` adapter on; save the index in ``folder``.
 
     The prompts are formatted exactly as training formatted them, so serving's request embedding (same
-    template, same adapter) is comparable. The index is saved with its calibration.
+    template, same adapter) is comparable. The index is saved with its calibration, its files written
+    durably (:mod:`training.durable`).
     """
     prompts = prompt_texts(client.train, rt.tokenizer, PromptConfig(rt.train.prompt_style))  # type: ignore[arg-type]
     vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
     generic = background_prompts(rt.tokenizer, rt.train.prompt_style)
     background = embed_prompts(rt.model, rt.adapted, rt.tokenizer, generic, ("global",), autocast=rt.loaded.autocast)
     calibration = calibrate(vecs, background, background_id=background_id())
-    EmbeddingIndex(vecs, calibration=calibration).save(folder)
+    staging = Path(tempfile.mkdtemp(prefix=durable.TMP_PREFIX))
+    try:
+        EmbeddingIndex(vecs, calibration=calibration).save(staging)
+        for f in sorted(staging.iterdir()):
+            durable.write_file(Path(folder) / f.name, lambda tmp, src=f: shutil.copyfile(src, tmp))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def background_prompts(tokenizer: Any, style: str) -> list[str]:

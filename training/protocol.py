@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from training.regime import FEDDPA_REGIME, Regime
+from training.validation import layout_problem
+
 if TYPE_CHECKING:
     from training.data import ClientData
     from training.runtime import Runtime
@@ -114,9 +117,27 @@ class Strategy(ABC):
                   state: StateDict) -> StateDict | None:
         """New server state from the round's uploads; None keeps ``state`` (nothing to aggregate)."""
 
+    def check_upload(self, ins: FitIns, res: FitRes) -> str | None:
+        """Why ``res`` is not a well-formed upload for ``ins`` (None: it is), checked before :meth:`aggregate`.
+
+        The default wants exactly the tensors sent: same keys, shapes and dtypes (a method uploading
+        something else overrides it). Finiteness, ``num_examples`` and metrics are checked for every
+        method by :func:`training.validation.reply_problem`.
+        """
+        return layout_problem(ins.state, res.state)
+
     def evaluate(self, round_idx: int, state: StateDict) -> dict[str, float] | None:
         """Optional server-side evaluation after aggregation; its scalars go to the round's metrics row."""
         del round_idx, state
+        return None
+
+    def personal_state(self, client_id: str, state: StateDict) -> StateDict | None:
+        """After the last round: what the server holds as ``client_id``'s personalised model, if anything.
+
+        None (the default): the client personalises from the final ``state`` itself (``finalize``).
+        pFedSeq returns Algorithm 1's aggregated global plus the client's last calibration.
+        """
+        del client_id, state
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,6 +183,8 @@ class Method:
         instance_weighting: the personalised model mixes (global, local) with FedDPA's instance-wise
             weight (paper 000 section 4.3), so training ends by saving each client's local-instance
             embeddings for the router; other methods' clients answer with their local adapter alone.
+        regime: the paper's client training (optimizer, lr and its decay, batch, epochs or steps, rounds),
+            defined in the method's module; FedDPA's for the baselines (:mod:`training.regime`).
     """
 
     name: str
@@ -174,6 +197,7 @@ class Method:
     inference_option: str | None = None
     export: Any = None
     instance_weighting: bool = False
+    regime: Regime = FEDDPA_REGIME
 
     def mixture_weight(self, options: Mapping[str, Any]) -> float | None:
         """The local adapter's inference weight under ``options``."""

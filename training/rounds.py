@@ -2,7 +2,8 @@
 aggregate, checkpoint, log, resume, finish.
 
 A method's server half (:class:`training.protocol.Strategy`) runs here, in the server process. How the
-round's instructions reach the clients and how their replies come back is a :class:`Transport`'s job:
+round's instructions reach the clients and how their replies come back is a :class:`Transport`'s job
+(:mod:`training.transport`):
 the in-process simulator (:mod:`training.simulation`) calls each client's half directly, the Flower bridge
 (:mod:`training.flower_transport`) sends one Message per node through the ServerApp's Grid. Per round::
 
@@ -10,12 +11,15 @@ the in-process simulator (:mod:`training.simulation`) calls each client's half d
     present, unreachable = transport.reachable(selected)
     instructions = strategy.configure_round(r, present, state)   # one FitIns per client
     replies = transport.fit(r, instructions)                     # results and failures, selection order
+    results = the replies that pass training.validation          # a bad one: that client is out, reason logged
+    metrics rows (durable)
     transport.commit(r, accepted)                                # their private state is now current
     state = strategy.aggregate(r, results, failures, state) or state
-    checkpoint rounds/<r>/, metrics rows
+    checkpoint rounds/<r>/ (durable, manifest last), with transport.state_dict()
 
 then the method's ``export`` (FedAMoLE) or the global PEFT folder and ``transport.finalize`` (each
 client's personalization and local adapter). A failed client is left out of its round, never the run.
+A resume continues after the newest round whose checkpoint verifies (:func:`training.checkpoint.last_complete`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -33,11 +37,14 @@ from tqdm.auto import tqdm
 
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
-from training.checkpoint import last_complete, load_round, prune_strategy_state, save_round
+from training import durable
+from training.checkpoint import last_complete, load_round, load_transport_state, prune_strategy_state, save_round
 from training.data import FederatedDataset, sample_clients
-from training.protocol import ClientState, FitIns, FitRes, Method, StateDict, derive_seed, state_bytes
+from training.protocol import FitIns, FitRes, Method, StateDict, Strategy, derive_seed, state_bytes
 from training.runfiles import append_row, trim_rows, write_json
 from training.runtime import Runtime, TrainConfig
+from training.transport import Reply, Transport
+from training.validation import reply_problem
 
 logger = logging.getLogger(__name__)
 
@@ -95,52 +102,6 @@ def select_clients(dataset: FederatedDataset, cfg: Sampling, round_idx: int) -> 
         return ids
     chosen = set(random.Random(derive_seed(cfg.seed, "sample", round_idx)).sample(ids, k))
     return [c for c in ids if c in chosen]
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One client's answer to its round's instructions: a result, or the reason it has none.
-
-    Attributes:
-        client_id: the client the instructions were for.
-        result: what it uploaded (None when it failed).
-        error: why it failed (None when it answered).
-        seconds: how long it took, where the transport can tell (the simulator; not Flower).
-    """
-
-    client_id: str
-    result: FitRes | None = None
-    error: str | None = None
-    seconds: float | None = None
-
-
-class Transport(ABC):
-    """How one runtime moves a round's instructions to the clients and their replies back."""
-
-    def reachable(self, clients: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-        """The selected clients that can be sent to now, and (client, reason) for the others."""
-        return list(clients), []
-
-    @abstractmethod
-    def fit(self, round_idx: int, instructions: Mapping[str, FitIns]) -> list[Reply]:
-        """Send each client its own instructions; one reply per client, in the order of ``instructions``."""
-
-    def commit(self, round_idx: int, accepted: Sequence[str]) -> None:  # noqa: B027 - optional hook
-        """The round's results of ``accepted`` are aggregated: their new private state becomes current.
-
-        A client that answered but is not listed keeps the private state it had before the round.
-        """
-
-    def private_states(self) -> dict[str, ClientState]:
-        """Private tensors the server may checkpoint (the simulator's; a real client keeps its own)."""
-        return {}
-
-    def restore(self, private: dict[str, ClientState]) -> None:  # noqa: B027 - optional hook
-        """Take back :meth:`private_states` from a checkpoint when a run resumes."""
-
-    @abstractmethod
-    def finalize(self, state: StateDict, run: RunDir) -> None:
-        """After the last round: each client's personalization; its local adapter and index into ``run``."""
 
 
 @dataclass(frozen=True)
@@ -206,8 +167,53 @@ def _check_resumable(run: RunDir, config: Mapping[str, Any]) -> None:
             raise ValueError(f"cannot resume {run.root}: its {key} is {old.get(key)!r}, now {config.get(key)!r}")
 
 
+def _resume_point(plan: RunPlan, strategy: Strategy, transport: Transport) -> tuple[int, StateDict | None]:
+    """(first round to run, restored server state or None) from the newest round that verifies."""
+    run = plan.run
+    for leftover in durable.leftovers(run.root) + durable.leftovers(run.root / "rounds"):
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()  # an interrupted write's
+    last = last_complete(run) if plan.resume else None
+    if last is None:
+        return 0, None
+    state, strategy_state, private = load_round(run, last)
+    strategy.load_state_dict(strategy_state)
+    transport.restore(private)
+    transport.load_state_dict(load_transport_state(run, last))
+    logger.info("resuming %s after round %d", run.root, last)
+    return last + 1, state
+
+
+def _collect(plan: RunPlan, strategy: Strategy, r: int, instructions: Mapping[str, FitIns], replies: list[Reply],
+             failures: list[tuple[str, str]]) -> tuple[list[FitRes], list[dict[str, Any]]]:
+    """The round's valid results and every client's metrics row; bad replies join ``failures``."""
+    results: list[FitRes] = []
+    rows: list[dict[str, Any]] = []
+    for reply in replies:
+        timing = {} if reply.seconds is None else {"seconds": round(reply.seconds, 3)}
+        cid, res = reply.client_id, reply.result
+        if res is None:
+            failures.append((cid, reply.error or "no reply"))
+            rows.append({"round": r, "client": cid, "status": "failed", "error": reply.error or "no reply", **timing})
+            continue
+        problem = reply_problem(res, instructions[cid], strategy, cid, len(plan.dataset.client(cid).train))
+        if problem is not None:  # the client is out of this round, its private state as before
+            failures.append((cid, f"rejected: {problem}"))
+            rows.append({"round": r, "client": cid, "status": "rejected", "error": problem, **timing})
+            continue
+        b_down, b_up = state_bytes(instructions[cid].state), state_bytes(res.state)
+        results.append(res)
+        rows.append({"round": r, "client": cid, "status": "ok", "num_examples": res.num_examples,
+                     "bytes_down": b_down, "bytes_up": b_up, **timing, **res.metrics})
+    return results, rows
+
+
 def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
     """Train ``plan.method`` through ``transport`` and write the run directory (see :mod:`adapters.rundir`).
+
+    Every reply is checked (:func:`training.validation.reply_problem`) before aggregation; a bad one
+    leaves its client out of the round with the reason in its metrics row. A round's rows are durable
+    before its checkpoint, and the checkpoint's manifest is written last, so a resume (from the newest
+    round that verifies) never lacks a row of a round it skips.
 
     Raises:
         FileExistsError: the run directory holds a run and ``plan.resume`` is False (never overwritten).
@@ -224,14 +230,8 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
     write_json(run.run_json, plan.config)  # a resume may extend the rounds: record the new count
     strategy = m.strategy(plan.options)
     state: StateDict = strategy.initial_state(plan.runtime)
-    start = 0
-    last = last_complete(run) if plan.resume else None
-    if last is not None:
-        state, strategy_state, private = load_round(run, last)
-        strategy.load_state_dict(strategy_state)
-        transport.restore(private)
-        start = last + 1
-        logger.info("resuming %s after round %d", run.root, last)
+    start, restored = _resume_point(plan, strategy, transport)
+    state = restored if restored is not None else state
     trim_rows(run.metrics, start)
     losses: list[float] = []
     up = down = 0
@@ -241,25 +241,11 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
         began = time.perf_counter()
         present, failures = transport.reachable(select_clients(plan.dataset, cfg, r))
         instructions = strategy.configure_round(r, present, state)
-        results: list[FitRes] = []
-        round_up = round_down = 0
-        rows: list[dict[str, Any]] = []
-        for reply in transport.fit(r, instructions):
-            timing = {} if reply.seconds is None else {"seconds": round(reply.seconds, 3)}
-            if reply.result is None:
-                failures.append((reply.client_id, reply.error or "no reply"))
-                rows.append({"round": r, "client": reply.client_id, "status": "failed",
-                             "error": reply.error or "no reply", **timing})
-                continue
-            res = reply.result
-            b_down, b_up = state_bytes(instructions[res.client_id].state), state_bytes(res.state)
-            round_down, round_up = round_down + b_down, round_up + b_up
-            results.append(res)
-            rows.append({"round": r, "client": res.client_id, "status": "ok", "num_examples": res.num_examples,
-                         "bytes_down": b_down, "bytes_up": b_up, **timing, **res.metrics})
+        unreachable = list(failures)
+        results, rows = _collect(plan, strategy, r, instructions, transport.fit(r, instructions), failures)
         for cid, error in failures:
             logger.warning("round %d: client %s left out: %s", r, cid, error)
-        for row in _unreachable_rows(r, failures, rows) + rows:
+        for row in _unreachable_rows(r, unreachable, rows) + rows:
             append_row(run.metrics, row)
         transport.commit(r, [res.client_id for res in results])
         new = strategy.aggregate(r, results, failures, state)
@@ -267,21 +253,25 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
         server_metrics = strategy.evaluate(r, state) or {}
         mean_loss = sum(x.metrics.get("loss", 0.0) for x in results) / max(1, len(results))
         losses.append(mean_loss)
+        round_up, round_down = sum(x.get("bytes_up", 0) for x in rows), sum(x.get("bytes_down", 0) for x in rows)
         up, down = up + round_up, down + round_down
         failures_all += [(r, c, e) for c, e in failures]
-        save_round(run, r, state, strategy.state_dict(), transport.private_states(), plan.runtime.train.lora,
-                   plan.runtime.adapted.base_model_name, peft_global=m.export is None)
-        prune_strategy_state(run, cfg.keep_strategy)
         append_row(run.metrics, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures),
                                  "loss": mean_loss, "bytes_up": round_up, "bytes_down": round_down,
                                  "seconds": round(time.perf_counter() - began, 3), **server_metrics})
+        save_round(run, r, state, strategy.state_dict(), transport.private_states(), plan.runtime.train.lora,
+                   plan.runtime.adapted.base_model_name, peft_global=m.export is None,
+                   transport=transport.state_dict())
+        prune_strategy_state(run, cfg.keep_strategy)
         bar.set_postfix(loss=f"{mean_loss:.3f}", failed=len(failures))
     if m.export is not None:
         m.export(run, plan.runtime, state, strategy)
     else:
         if state:
-            write_adapter_folder(run.global_adapter, plan.runtime.train.lora, state,
-                                 plan.runtime.adapted.base_model_name)
+            lora, base = plan.runtime.train.lora, plan.runtime.adapted.base_model_name
+            durable.write_folder(run.global_adapter, lambda tmp: write_adapter_folder(tmp, lora, state, base))
+        personal = {c: strategy.personal_state(c, state) for c in plan.dataset.client_ids}
+        transport.personalize({c: s for c, s in personal.items() if s is not None})
         transport.finalize(state, run)
     summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
                          round(time.perf_counter() - t0, 2))

@@ -68,6 +68,10 @@ class AMoLEConfig:
         dp_noise: the reference code's ``--apply_dp``: Gamma-magnitude noise on every uploaded
             embedding, rescaled under the largest clean norm (METHODS.md 1.4).
         dp_eta: rate of the noise's Gamma magnitude (larger: less noise).
+        export: what the run's final model is. ``aggregated``: the server's experts and projections after the
+            last aggregation (``adapters/amole``, one servable model). ``local``: besides it, each client's
+            last-round locally trained experts, shared expert and projections before aggregation
+            (``adapters/clients/<id>/amole``), the model the reference code evaluates (METHODS.md 1.9).
         embed_noise: standard deviation of Gaussian noise added to every coordinate of every
             uploaded client and expert embedding (the Gaussian mechanism of Wei et al. 2020, which
             paper 002 C.2 cites); 0 is off. Training is unchanged; only the relevance scores, and
@@ -87,6 +91,7 @@ class AMoLEConfig:
     dp_noise: bool = False
     dp_eta: float = 100.0
     embed_noise: float = 0.0
+    export: str = "aggregated"
 
     def __post_init__(self) -> None:
         for name in ("shared_expert", "homogeneous", "dp_noise"):
@@ -106,6 +111,8 @@ class AMoLEConfig:
             raise ValueError(f"load_balance_alpha must be >= 0, got {self.load_balance_alpha}")
         if self.assignment not in ("rsea", "static", "random"):
             raise ValueError(f"assignment must be rsea, static or random, got {self.assignment!r}")
+        if self.export not in ("aggregated", "local"):
+            raise ValueError(f"export must be aggregated or local, got {self.export!r}")
         if self.solver not in ("highs", "scip"):
             raise ValueError(f"solver must be highs or scip, got {self.solver!r}")
         if self.dp_eta <= 0:

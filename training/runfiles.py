@@ -1,8 +1,10 @@
 """The run directory's two journals: ``run.json`` (the run's settings) and ``metrics.jsonl`` (one row per
 client per round, then one per round), plus ``summary.json``.
 
-Rows are appended as the round loop (:mod:`training.rounds`) produces them; a resumed run first drops
-the rows of rounds it will run again.
+Rows are appended as the round loop (:mod:`training.rounds`) produces them, each fsync'ed
+(:func:`training.durable.append_line`); a resumed run first drops the rows of rounds it will run again
+by writing the kept rows to a new file that replaces the journal whole, so a crash at any point leaves
+either the old journal or the trimmed one. JSON files are replaced the same way, never rewritten in place.
 """
 
 from __future__ import annotations
@@ -11,27 +13,43 @@ import json
 from pathlib import Path
 from typing import Any
 
+from training import durable
+
 
 def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` as indented JSON to ``path``."""
-    path.write_text(json.dumps(data, indent=2))
+    """Durably write ``data`` as indented JSON to ``path`` (left untouched when it already holds exactly that)."""
+    text = json.dumps(data, indent=2)
+    try:
+        if path.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    durable.write_text(path, text)
 
 
 def append_row(path: Path, row: dict[str, Any]) -> None:
-    """Append one JSON row to the journal at ``path``."""
-    with path.open("a") as fh:
-        fh.write(json.dumps(row) + "\n")
+    """Durably append one JSON row to the journal at ``path``."""
+    durable.append_line(path, json.dumps(row))
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The journal's rows; a line that is not a JSON object (torn by a crash) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def trim_rows(path: Path, start: int) -> None:
-    """Drop the rows of rounds >= ``start`` (left by an interrupted attempt) before resuming."""
+    """Drop the rows of rounds >= ``start`` (left by an interrupted attempt) and torn lines before resuming."""
     if not path.is_file():
         return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("round", -1) < start:
-                keep.append(line)
-        except json.JSONDecodeError:
-            continue
-    path.write_text("".join(x + "\n" for x in keep))
+    keep = [row for row in read_rows(path) if row.get("round", -1) < start]
+    text = "".join(json.dumps(row) + "\n" for row in keep)
+    if path.read_text() != text:
+        durable.write_text(path, text)

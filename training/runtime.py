@@ -21,6 +21,7 @@ from adapters import AdaptedModel, LoraConfig, inject
 from models import LoadedModel
 from training.data import IGNORE, ClientData, Example, PromptConfig, tokenize_record
 from training.protocol import StateDict
+from training.regime import BUDGETS, FEDDPA_REGIME, OPTIMIZERS, SCHEDULES, Regime, train_fields
 
 SLOTS = ("global", "local", "received")  # received: a frozen copy of the round's global (FedMCP)
 
@@ -29,14 +30,19 @@ SLOTS = ("global", "local", "received")  # received: a frozen copy of the round'
 class TrainConfig:
     """Local training settings (FedDPA paper 000 section 5.1 / METHODS.md 2.3 as defaults).
 
+    A run's settings come from its method's :class:`training.regime.Regime` under a budget
+    (:func:`method_config`); the defaults here are FedDPA's regime at the paper's budget.
+
     Attributes:
-        lr: learning rate (3e-4, AdamW, linear decay inside each local run, no warm-up).
+        lr: learning rate of round 0 (3e-4, AdamW, linear decay inside each local run, no warm-up).
         batch_size: examples per optimizer step (paper 32).
         micro_batch_size: examples per forward (gradient accumulation up to ``batch_size``).
         local_epochs: passes over the local data per round (paper 10).
         max_steps: cap on optimizer steps per local run (None: epochs decide).
         cutoff_len: token cutoff per example (512).
         optimizer: ``adamw``, ``adam`` or ``sgd``.
+        schedule: inside one local run, ``linear`` decay to 0 or ``constant``.
+        round_decay: round r trains at ``lr * round_decay ** r`` (FedAMoLE 0.99; 1: no decay).
         weight_decay: AdamW weight decay (0).
         max_grad_norm: gradient clipping (None: off).
         lora: the adapters' LoRA config (r 8, alpha 16, dropout 0.05 on q_proj, v_proj).
@@ -50,6 +56,8 @@ class TrainConfig:
     max_steps: int | None = None
     cutoff_len: int = 512
     optimizer: str = "adamw"
+    schedule: str = "linear"
+    round_decay: float = 1.0
     weight_decay: float = 0.0
     max_grad_norm: float | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -63,8 +71,16 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
-        if self.optimizer not in ("adamw", "adam", "sgd"):
+        if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"TrainConfig.optimizer must be adamw, adam or sgd, got {self.optimizer!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not 0 < self.round_decay <= 1:
+            raise ValueError(f"TrainConfig.round_decay must be in (0, 1], got {self.round_decay}")
+
+    def round_lr(self, round_idx: int) -> float:
+        """The learning rate round ``round_idx`` starts from (a final fine-tune, round -1, uses round 0's)."""
+        return self.lr * self.round_decay ** max(0, round_idx)
 
     def asdict(self) -> dict[str, Any]:
         """JSON-ready settings."""
@@ -81,19 +97,18 @@ class TrainConfig:
         return cls(lora=lora, **data)
 
 
-PRESETS: dict[str, TrainConfig] = {
-    "paper": TrainConfig(),
-    # A few minutes per method on a 2-core CPU with SmolLM2: short cutoff, a few steps per round.
-    "small": TrainConfig(lr=5e-4, batch_size=8, micro_batch_size=8, local_epochs=1, max_steps=6, cutoff_len=192),
-    "tiny": TrainConfig(lr=1e-3, batch_size=4, micro_batch_size=2, local_epochs=1, max_steps=2, cutoff_len=128),
-}
+# FedDPA's regime under each budget (``--preset``); a method's own regime: :func:`method_config`.
+PRESETS: dict[str, TrainConfig] = {name: TrainConfig(**train_fields(FEDDPA_REGIME, name)) for name in BUDGETS}
 
 
-def preset(name: str, **overrides: Any) -> TrainConfig:
-    """A named preset with field overrides (None values are ignored)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
-    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+def preset(name: str, regime: Regime | None = None, **overrides: Any) -> TrainConfig:
+    """``regime`` (default FedDPA's) under budget ``name``, with field overrides (None values are ignored).
+
+    Raises:
+        ValueError: an unknown preset or an invalid override.
+    """
+    base = TrainConfig(**train_fields(regime or FEDDPA_REGIME, name))
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
 class Runtime:

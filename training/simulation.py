@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
 from models import LoadedModel
+from training import durable
 from training.algorithms import get_method
 from training.data import ClientData, FederatedDataset, split_tasks
 from training.personalize import finish_client
@@ -82,6 +83,7 @@ class InProcessTransport(Transport):
         self.method, self.client, self.dataset, self.rt, self.sim = method, client, dataset, rt, sim
         self.private: dict[str, ClientState] = {}
         self._pending: dict[str, ClientState] = {}
+        self._personal: dict[str, StateDict] = {}  # the server's personalised model per client (pFedSeq)
 
     def _context(self, client_id: str, private: ClientState) -> ClientContext:
         return ClientContext(client_id, self.dataset.client(client_id), self.rt, private, self.sim.seed)
@@ -118,20 +120,26 @@ class InProcessTransport(Transport):
     def restore(self, private: dict[str, ClientState]) -> None:
         self.private = dict(private)
 
+    def personalize(self, states: Mapping[str, StateDict]) -> None:
+        self._personal = dict(states)
+
     def finalize(self, state: StateDict, run: RunDir) -> None:
         for c in tqdm(self.dataset.clients, desc="personalize", unit="client", leave=False):
             ctx = self._context(c.client_id, self.private.setdefault(c.client_id, {}))
-            finish_client(self.method, self.client, state, ctx, run.client_dir(c.client_id) if self.sim.embed else None)
+            finish_client(self.method, self.client, self._personal.get(c.client_id, state), ctx,
+                          run.client_dir(c.client_id) if self.sim.embed else None)
         lora, base = self.rt.train.lora, self.rt.adapted.base_model_name
         for cid, named in self.private.items():
             if "local" in named:
-                write_adapter_folder(run.local_adapter(cid), lora, named["local"], base)
+                durable.write_folder(run.local_adapter(cid),
+                                     lambda tmp, t=named["local"]: write_adapter_folder(tmp, lora, t, base))
 
 
 def run_federated(
     method: str, dataset: FederatedDataset, loaded: LoadedModel, out_dir: str | Path, sim: SimConfig | int,
     train: TrainConfig, options: dict[str, Any] | None = None, resume: bool = False,
     data_spec: str = "custom", data_options: dict[str, Any] | None = None, model_name: str | None = None,
+    preset_name: str | None = None,
 ) -> RunSummary:
     """Train ``method`` on ``dataset`` and write a run directory (see :mod:`adapters.rundir`).
 
@@ -147,6 +155,7 @@ def run_federated(
         data_spec: the data set spec recorded in run.json (evaluation reloads the test sets from it).
         data_options: the loader's options recorded beside it.
         model_name: the base model recorded in run.json (default: the loaded model's name).
+        preset_name: the budget ``train`` was built with, recorded in run.json beside the method's regime.
 
     Raises:
         FileExistsError: ``out_dir`` already holds a run and ``resume`` is False (never overwritten).
@@ -160,7 +169,7 @@ def run_federated(
         opts = {**m.defaults, **(options or {}), "seed": sim.seed}
         config = run_record(m, opts, sim.round_config(), train, data=data_spec, data_options=data_options or {},
                             model=model_name or loaded.name, clients_per_task=sim.clients_per_task,
-                            device=str(loaded.device))
+                            device=str(loaded.device), preset=preset_name, regime=m.regime.asdict())
         if sim.clients_per_task > 1:
             dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.seed)
         if m.centralized:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from adapters import AdapterError
 from fedmosaic.evaluation.backend import WEIGHTING
-from fedmosaic.evaluation.evaluate import EvalOptions, compare_runs, evaluate_run
+from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, compare_runs, evaluate_run
 from fedmosaic.evaluation.metrics import METRICS
 from models import settings
+from training.data import DataError
+
+# What a bad run directory, data set or test set raises: one line on stderr, never a traceback.
+_USER_ERRORS = (AdapterError, DataError, EvalSetupError)
 
 
 def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,6 +27,9 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     p.add_argument("--metric", choices=METRICS, default="rouge1")
     p.add_argument("--data", default=None, help="data set spec (default: run.json's)")
+    p.add_argument("--test", default=None, metavar="FOLDER_OR_SPEC",
+                   help="score the run's clients on another test set: a data set name, a folder (test/<task>.jsonl "
+                        "or <task>.jsonl files) or one .jsonl file; writes eval/test-sets/<name>/")
     p.add_argument("--model", default=None, help="base model (default: run.json's)")
     p.add_argument("--per-round", action="store_true", help="also score each round's global checkpoint")
     p.add_argument("--feddpa-weights", choices=WEIGHTING, default="auto",
@@ -42,11 +50,18 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 
 def run_eval(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic eval``."""
-    if args.compare:
-        print(compare_runs(args.run_dirs, Path(args.out) if args.out else None, args.metric))
-        return 0
+    try:
+        if args.compare:
+            print(compare_runs(args.run_dirs, Path(args.out) if args.out else None, args.metric, args.test))
+            return 0
+        return _evaluate(args)
+    except _USER_ERRORS as exc:
+        raise SystemExit(f"fedmosaic eval: {exc}") from exc
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
-                       batch_size=args.batch_size, metric=args.metric, data=args.data, model=args.model,
+                       batch_size=args.batch_size, metric=args.metric, data=args.data, test=args.test, model=args.model,
                        per_round=args.per_round, dtype=args.dtype, device=args.device,
                        feddpa_weights=args.feddpa_weights, feddpa_weighting=args.feddpa_weighting,
                        feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode)

@@ -9,24 +9,31 @@ on HF ``generate`` (:mod:`serving.generation`). Predictions are cached per (chec
 JSONL, row by row, tagged with how they were generated, so an interrupted evaluation resumes where it
 stopped. Then ROUGE-1/ROUGE-L/exact scores, the Personalization and Test-Time Personalization blocks
 (Markdown + JSON), and PNG plots (scores, score per round, FedDPA weight per task).
+
+``--test`` scores the same clients and adapters on another test set (:mod:`.testsets`), e.g. tasks no
+client trained on (paper 000 Table 14); its outputs go to ``eval/test-sets/<name>/`` so the run's own
+evaluation is kept. The test set, the run's clients and the metric's references are checked before the
+model is loaded, so a bad option fails in one line, not after the generations.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from adapters.rundir import RunDir
-from fedmosaic.evaluation import plots, tables
+from fedmosaic.evaluation import plots, tables, testsets
 from fedmosaic.evaluation.backend import WEIGHTING, EvalBackend, EvalItem, tag_of
+from fedmosaic.evaluation.inputs import EvalSetupError, load_inputs
 from fedmosaic.evaluation.metrics import METRICS, Scores, score
 from fedmosaic.evaluation.predictions import PredictionCache, make_row
 from fedmosaic.evaluation.stack_backend import open_backend
-from training.data import FederatedDataset, PromptConfig, load_run_dataset, prompt_texts
+from fedmosaic.evaluation.testsets import TestSet
+from fedmosaic.evaluation.weights import weight_outputs
+from training.data import FederatedDataset, PromptConfig, prompt_texts
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,10 @@ class EvalOptions:
         num_beams: 1 greedy on the engine (default); more uses HF beam search (the FedDPA reference used 4).
         batch_size: rows decoded together.
         metric: the table's metric: ``rouge1`` (paper), ``rougeL`` or ``exact``.
-        data: data set spec overriding run.json's.
+        data: data set spec overriding run.json's (the clients, their tasks and, without ``test``,
+            the test sets).
+        test: another test set to score on (:func:`.testsets.load_test_set`: a data set name, a
+            folder or a file), e.g. tasks no client trained on; None: the data set's own.
         model: base model overriding run.json's.
         per_round: also score the global adapter of every per-round checkpoint (paper Figure 3).
         dtype: compute dtype (None: the setting's default).
@@ -58,6 +68,7 @@ class EvalOptions:
     batch_size: int = 8
     metric: str = "rouge1"
     data: str | None = None
+    test: str | None = None
     model: str | None = None
     per_round: bool = False
     dtype: str | None = None
@@ -105,18 +116,30 @@ def served_targets(models: Sequence[str], base_name: str, clients: Sequence[str]
     return targets
 
 
+def output_dir(run: RunDir, test: str | None = None) -> Path:
+    """Where an evaluation writes: ``eval/`` on the run's own test sets, ``eval/test-sets/<name>/`` with ``--test``."""
+    return run.eval_dir if test is None else run.eval_dir / "test-sets" / testsets.slug(testsets.spec_name(test))
+
+
 def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend: EvalBackend | None = None) -> dict:
-    """Evaluate a run directory; writes ``eval/`` and returns the JSON summary.
+    """Evaluate a run directory; writes its outputs (:func:`output_dir`) and returns the JSON summary.
 
     Args:
         run_dir: a run directory (see :mod:`adapters.rundir`).
         opts: evaluation settings.
         backend: the generation backend; defaults to the serving stack over the run's adapters
             (:func:`fedmosaic.evaluation.stack_backend.open_backend`).
+
+    Raises:
+        DataError: the data set or the test set cannot be read, the test set holds no task, or some of
+            its examples lack the reference the metric needs (raised before the model is loaded).
+        EvalSetupError: the run has no clients, or none that the data set names.
     """
     run = RunDir(Path(run_dir))
     cfg = run.read_config()
-    dataset = load_run_dataset(cfg, opts.data)
+    dataset, test_set = load_inputs(run, cfg, data=opts.data, test=opts.test, metric=opts.metric,
+                                    limit=opts.limit)
+    out = output_dir(run, opts.test)
     if backend is None:
         backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, device=opts.device,
                                max_new_tokens=opts.max_new_tokens,
@@ -124,8 +147,10 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
                                samples=opts.feddpa_samples, mode=opts.feddpa_mode, rule=opts.feddpa_weighting)
     targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)
     clients = [c for c in dataset.client_ids if c in targets]
+    if not clients:  # a backend that serves neither a client nor the global model: nothing personalised
+        raise EvalSetupError(f"{run.root} serves no model for any client of {dataset.name!r} {dataset.client_ids}")
     described = {t: backend.describe(t) for t in set(targets.values())}
-    cache = PredictionCache(run.eval_dir / "predictions", limit=opts.limit)
+    cache = PredictionCache(out / "predictions", limit=opts.limit)
     tests = {task: list(dataset.tests[task])[: opts.limit] for task in dataset.tasks}
     render = _prompter(cfg, backend)
     prompts = {task: render(records) for task, records in tests.items()}
@@ -149,13 +174,15 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
             weights.setdefault(key, {})[task] = [float(r["weights"][f"{key}:local"]) for r in rows]
     for key in targets:
         grid[key] = grid[canonical[key]]
-    summary = _write_outputs(run, cfg, dataset, clients, grid, opts)
+    summary = _write_outputs(run, out, cfg, dataset, test_set, clients, grid, opts)
+    if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
+        summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
     if weights:
-        summary["feddpa_weights"] = _weight_outputs(run, weights, {c: dataset.task_of(c) for c in clients})
+        summary["feddpa_weights"] = weight_outputs(out, weights, {c: dataset.task_of(c) for c in clients})
     if opts.per_round:
-        summary["per_round"] = _per_round(run, dataset, opts, backend, cache, render)
-    (run.eval_dir / "results.json").write_text(json.dumps(summary, indent=2))
+        summary["per_round"] = _per_round(run, out, dataset, opts, backend, cache, render)
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -186,44 +213,49 @@ def _generate_into(cache: PredictionCache, backend: EvalBackend, items: Sequence
             bar.update(1)
 
 
-def _weight_outputs(run: RunDir, weights: dict[str, dict[str, list[float]]], own: dict[str, str]) -> dict:
-    """Plot the instance-wise local weight per task (own client vs the others) and summarise it."""
-    tasks = sorted({t for per in weights.values() for t in per})
-    own_a = {t: [a for c, per in weights.items() if own.get(c) == t for a in per.get(t, [])] for t in tasks}
-    other_a = {t: [a for c, per in weights.items() if own.get(c) != t for a in per.get(t, [])] for t in tasks}
-    plots.plot_weights(own_a, run.eval_dir / "feddpa_weights.png", others=other_a)
+def _ood(out: Path, dataset: FederatedDataset, grid: dict[str, dict[str, Scores]], metric: str) -> dict:
+    """FedOA's leave-one-task-out scores (paper 001 Table 2): every target's mean over the held-out tasks.
 
-    def stats(values: list[float]) -> dict[str, float]:
-        return {"mean": statistics.fmean(values), "median": statistics.median(values), "n": len(values)} \
-            if values else {"n": 0}
+    Intra-client OOD is each client's personalised model (``<client>``) on the tasks nobody trained on;
+    inter-client OOD is the global model's. Appended to ``eval/table.md``.
+    """
+    held = list(dataset.held_out)
+    means = {key: sum(float(by_task[t].get(metric)) for t in held) / len(held)
+             for key, by_task in grid.items() if all(t in by_task for t in held)}
+    lines = [f"\nOut of distribution ({metric}, mean over held-out tasks {', '.join(held)}):\n",
+             "| target | " + " | ".join(held) + " | mean |", "| --- |" + " ---: |" * (len(held) + 1)]
+    for key, mean in means.items():
+        lines.append(f"| {key} | " + " | ".join(f"{float(grid[key][t].get(metric)):.2f}" for t in held)
+                     + f" | {mean:.2f} |")
+    with (out / "table.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    return {"held_out": held, "metric": metric, "mean": means}
 
-    return {"per_task_own_client": {t: stats(v) for t, v in own_a.items()},
-            "per_task_other_clients": {t: stats(v) for t, v in other_a.items()},
-            "per_client": {c: {t: statistics.fmean(v) for t, v in per.items() if v} for c, per in weights.items()}}
 
-
-def _write_outputs(run: RunDir, cfg: dict, dataset: FederatedDataset, clients: list[str],
-                   grid: dict[str, dict[str, Scores]], opts: EvalOptions) -> dict:
-    """Write ``eval/table.md`` and ``eval/scores.png``; return the summary's scores, tables and Markdown."""
+def _write_outputs(run: RunDir, out: Path, cfg: dict, dataset: FederatedDataset, test_set: TestSet,
+                   clients: list[str], grid: dict[str, dict[str, Scores]], opts: EvalOptions) -> dict:
+    """Write ``table.md`` and ``scores.png`` into ``out``; return the summary's scores, tables and Markdown."""
     client_tasks = {c: dataset.task_of(c) for c in clients}
     label = str(cfg.get("method", run.root.name))
     blocks = tables.block_rows(label, grid, clients, client_tasks, opts.metric)
     columns = [client_tasks[c] for c in clients]
-    md = tables.markdown(blocks, columns, opts.metric)
-    run.eval_dir.mkdir(parents=True, exist_ok=True)
-    (run.eval_dir / "table.md").write_text(md)
+    md = tables.markdown(blocks, columns, opts.metric, title=test_set.heading(label),
+                         notes=tables.coverage_notes(clients, client_tasks, test_set.tasks))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(md)
     plots.plot_scores({k: {t: s.get(opts.metric) for t, s in v.items()} for k, v in grid.items()},
-                      run.eval_dir / "scores.png", opts.metric)
+                      out / "scores.png", opts.metric)
     return {
-        "run": str(run.root), "method": label, "options": asdict(opts), "clients": clients,
-        "client_tasks": client_tasks, "tables": tables.blocks_json(blocks, columns), "markdown": md,
-        "scores": {k: {t: s.asdict() for t, s in v.items()} for k, v in grid.items()},
+        "run": str(run.root), "method": label, "options": asdict(opts),
+        "test_set": {**test_set.summary(client_tasks, opts.limit), "duplicates": dataset.duplicates},
+        "clients": clients, "client_tasks": client_tasks, "tables": tables.blocks_json(blocks, columns),
+        "markdown": md, "scores": {k: {t: s.asdict() for t, s in v.items()} for k, v in grid.items()},
     }
 
 
-def _per_round(run: RunDir, dataset: FederatedDataset, opts: EvalOptions, backend: EvalBackend,
+def _per_round(run: RunDir, out: Path, dataset: FederatedDataset, opts: EvalOptions, backend: EvalBackend,
                cache: PredictionCache, render: Callable[[Sequence[Any]], list[str]]) -> dict:
-    """Score the global adapter of every per-round checkpoint on every task; plot ``eval/rounds.png``."""
+    """Score the global adapter of every per-round checkpoint on every task; plot ``rounds.png`` into ``out``."""
     series: dict[int, float] = {}
     for r in run.rounds():
         folder = run.round_dir(r) / "global"
@@ -246,22 +278,43 @@ def _per_round(run: RunDir, dataset: FederatedDataset, opts: EvalOptions, backen
             backend.remove_adapter(name)
         series[r] = sum(values) / len(values)
     if series:
-        plots.plot_rounds({"global (mean over tasks)": series}, opts.metric, run.eval_dir / "rounds.png")
+        plots.plot_rounds({"global (mean over tasks)": series}, opts.metric, out / "rounds.png")
     return {str(k): v for k, v in series.items()}
 
 
-def compare_runs(run_dirs: Sequence[str | Path], out: Path | None = None, metric: str = "rouge1") -> str:
-    """Put several evaluated runs side by side (rows = runs); returns the Markdown."""
-    per_run, columns = [], None
+def compare_runs(run_dirs: Sequence[str | Path], out: Path | None = None, metric: str = "rouge1",
+                 test: str | None = None) -> str:
+    """Put several evaluated runs side by side (rows = runs); returns the Markdown.
+
+    Args:
+        run_dirs: evaluated run directories.
+        out: where to write the Markdown too.
+        metric: the metric to tabulate.
+        test: compare their evaluations on this test set (``--test``; None: their own test sets).
+
+    Raises:
+        EvalSetupError: a run has no such evaluation, or the runs were scored on other tasks or clients.
+    """
+    per_run, columns, tasks, first = [], None, None, None
     for d in run_dirs:
-        res = json.loads((Path(d) / "eval" / "results.json").read_text())
+        path = output_dir(RunDir(Path(d)), test) / "results.json"
+        if not path.is_file():
+            raise EvalSetupError(f"{d} has no evaluation{f' on test set {test!r}' if test else ''} ({path} is "
+                                 "missing): run `fedmosaic eval` on it first")
+        res = json.loads(path.read_text())
         grid = {k: {t: Scores(**{**v, "n": int(v["n"])}) for t, v in ts.items()} for k, ts in res["scores"].items()}
         per_run.append(tables.block_rows(res["method"], grid, res["clients"], res["client_tasks"], metric))
         cols = [res["client_tasks"][c] for c in res["clients"]]
+        scored = sorted({t for ts in res["scores"].values() for t in ts})
         if columns is not None and cols != columns:
-            raise ValueError(f"runs disagree on clients/tasks: {columns} vs {cols}")
-        columns = cols
-    md = tables.markdown(tables.merge_blocks(per_run), columns or [], metric)
+            raise EvalSetupError(f"runs disagree on clients/tasks: {columns} vs {cols}")
+        if tasks is not None and scored != tasks:  # TTP means over other tasks are not comparable
+            raise EvalSetupError(f"runs were scored on different test tasks: {tasks} vs {scored}")
+        columns, tasks, first = cols, scored, first or res
+    name = ((first or {}).get("test_set") or {}).get("name")
+    notes = tables.coverage_notes(first["clients"], first["client_tasks"], tasks or []) if first else []
+    md = tables.markdown(tables.merge_blocks(per_run), columns or [], metric,
+                         title=f"Runs on test set {name}" if name else "", notes=notes)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(md)

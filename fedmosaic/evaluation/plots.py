@@ -38,22 +38,26 @@ def plot_weights(weights: Mapping[str, Sequence[float]], out: Path, title: str =
 
     With ``others``, each task gets two boxes side by side: ``weights`` (the client whose own task it
     is) and ``others`` (every other client's personalised model on that task), so one sees whether
-    ``a`` is high on the client's own task and lower on test-time tasks (paper 000 section 4.3).
+    ``a`` is high on the client's own task and lower on test-time tasks (paper 000 section 4.3). A
+    series with no value at all (no client owns any of the tasks, on a test set of unseen tasks) is
+    left out and the other one is centred on its ticks.
     """
     others = others or {}
     tasks = [t for t in dict.fromkeys([*weights, *others]) if weights.get(t) or others.get(t)]
     fig, ax = plt.subplots(figsize=(max(6, (1.4 if others else 0.8) * len(tasks) + 2), 4))
     centres = list(range(1, len(tasks) + 1))
     if others:
-        for values, shift, colour, label in ((weights, -0.2, "tab:blue", "own client"),
-                                             (others, 0.2, "tab:orange", "other clients")):
+        drawn = [(values, colour, label) for values, colour, label in ((weights, "tab:blue", "own client"),
+                                                                      (others, "tab:orange", "other clients"))
+                 if any(values.get(t) for t in tasks)]
+        shifts = (-0.2, 0.2) if len(drawn) == 2 else (0.0,)
+        for (values, colour, label), shift in zip(drawn, shifts, strict=True):
             pos = [c + shift for c, t in zip(centres, tasks, strict=True) if values.get(t)]
             data = [list(values[t]) for t in tasks if values.get(t)]
-            if data:
-                parts = ax.boxplot(data, positions=pos, widths=0.35, patch_artist=True, medianprops={"color": "black"})
-                for box in parts["boxes"]:
-                    box.set_facecolor(colour)
-                ax.plot([], [], color=colour, linewidth=8, label=label)
+            parts = ax.boxplot(data, positions=pos, widths=0.35, patch_artist=True, medianprops={"color": "black"})
+            for box in parts["boxes"]:
+                box.set_facecolor(colour)
+            ax.plot([], [], color=colour, linewidth=8, label=label)
         ax.set_xticks(centres, tasks)
         ax.legend(loc="best")
     else:

@@ -109,3 +109,22 @@ def test_representation_errors() -> None:
         router.decide(np.ones((2, 12)), index)
     with pytest.raises(RoutingError, match="NaN"):
         router.decide(np.full(12, np.nan), index)
+
+
+@pytest.mark.parametrize("kind", ["neg_l2", "pearson"])
+def test_similarity_ablations_match_naive_formulas(kind: str) -> None:
+    """Paper 000 Table 9: -L2 and Pearson instead of the cosine, on the same sampled instances."""
+    index = EmbeddingIndex(X)
+    d = FedDPARouter(lambda_=0.5, S=5, mode="random", clip=False, similarity=kind).decide(
+        Q, index, np.random.default_rng(4))
+    picked = np.random.default_rng(4).choice(len(X), size=5, replace=False)
+    if kind == "neg_l2":
+        ref = [-float(np.sqrt(((X[i].astype(np.float64) - Q) ** 2).sum())) for i in picked]
+    else:
+        ref = [float(np.corrcoef(X[i].astype(np.float64), Q.astype(np.float64))[0, 1]) for i in picked]
+    assert d.info["mean_similarity"] == pytest.approx(np.mean(ref), rel=1e-6)
+    assert d.info["a"] == pytest.approx(0.5 * np.mean(ref), rel=1e-6) and d.info["similarity"] == kind
+    knn = FedDPARouter(lambda_=1.0, S=3, mode="knn", similarity=kind).decide(Q, index)
+    assert 0.0 <= knn.info["a"] <= 1.0
+    with pytest.raises(RoutingError, match="similarity"):
+        FedDPARouter(similarity="dot")  # type: ignore[arg-type]

@@ -136,3 +136,48 @@ def test_load_run_dir(tiny: LoadedModel, tmp_path: Path) -> None:
     assert pool.info("global")[0].pinned
     assert info.clients["0"].embeddings_npy is not None and info.clients["1"].embeddings_npy is None
     assert info.clients["1"].local == "1:local"
+
+
+def test_load_run_registers_clients_beyond_the_free_slots(tiny: LoadedModel, tmp_path: Path) -> None:
+    """A run with more clients than slots: the first ones load, the rest load on first use (1,000-client runs)."""
+    run = tmp_path / "run"
+    write_adapter(tiny, run / "adapters" / "global", seed=1)
+    for i in range(5):
+        write_adapter(tiny, run / "adapters" / "clients" / str(i) / "local", seed=10 + i)
+    (run / "run.json").write_text(json.dumps({"method": "feddpa-t", "model": "tiny"}))
+    pool = AdapterPool(inject(tiny.model), root=tmp_path, max_loras=3)
+    info = pool.load_run("run")
+    assert sorted(info.clients) == ["0", "1", "2", "3", "4"]
+    assert pool.names() == ["global", "0:local", "1:local", "2:local", "3:local", "4:local"]
+    assert loaded(pool) == {"global", "0:local", "1:local"}
+    assert [(i.version, i.loaded) for i in pool.info()][3:] == [(0, False)] * 3  # registered, never loaded
+    assert len(pool.adapted.adapter_names) == 3
+    lease = pool.acquire(["global", "4:local"])  # loads on first use, evicting the least recently used
+    assert lease.names == ("global@1", "4:local@1")
+    assert loaded(pool) == {"global", "1:local", "4:local"} and len(pool.adapted.adapter_names) == 3
+    lease.release()
+
+
+def test_register_checks_files_now_and_the_weights_on_first_use(tiny: LoadedModel, folders: Path) -> None:
+    pool = AdapterPool(inject(tiny.model), root=folders, max_loras=2)
+    pool.load("a", "a")
+    (folders / "empty").mkdir()
+    with pytest.raises(AdapterLoadFailed, match="no adapter_config.json or adapter_model.safetensors"):
+        pool.register("e", "empty")
+    with pytest.raises(PathNotAllowed):
+        pool.register("x", "../elsewhere")
+    with pytest.raises(AdapterLoadFailed, match="invalid adapter name"):
+        pool.register("bad/name", "b")
+    (folders / "torn").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folders / "torn" / name).write_bytes((folders / "b" / name).read_bytes()[:40])
+    assert pool.register("t", "torn").loaded is False
+    with pytest.raises(AdapterExists):
+        pool.register("t", "b")
+    with pytest.raises(AdapterLoadFailed):
+        pool.acquire(["t"])  # validated when first leased; nothing half-loaded
+    assert "t" in pool and loaded(pool) == {"a"} and pool.adapted.adapter_names == ["a@1"]
+    assert pool.register("t", "b", replace=True).version == 0
+    lease = pool.acquire(["t", "a"])
+    assert lease.names == ("t@1", "a@1")
+    lease.release()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -160,3 +162,26 @@ def test_submit_errors(engine: Engine) -> None:
         engine.submit(GenerationRequest(prompt_ids=tuple(range(3000))))
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
+
+
+@pytest.mark.parametrize(("budget", "steps_to_first"), [(512, 1), (None, 2)])
+def test_exact_routing_refills_in_the_same_step_when_the_budget_allows(tiny: LoadedModel, budget: int | None,
+                                                                       steps_to_first: int) -> None:
+    """Routing pass and exact pass share a step while the prefill budget holds both (one step less to TTFT)."""
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512))
+    handle = engine.submit(GenerationRequest(
+        prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
+        prefill_weights=(1.0, 0.0), weight_fn=lambda state: ([0.4, 0.6], {}), exact_prefill=True))
+    seq = next(s for s in engine._active + list(engine._waiting) if s.handle is handle)
+    if budget is None:  # exactly one pass's tokens
+        engine.config = dataclasses.replace(engine.config, max_prefill_tokens=len(seq.ids))
+    steps = 0
+    while not seq.output:
+        engine.step()
+        steps += 1
+    assert steps == steps_to_first
+    while engine.step():
+        pass
+    direct = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
+                                                adapter_weights=(0.4, 0.6))])[0]
+    assert handle.result().token_ids == direct.token_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
 import torch
 
 from adapters import inject
@@ -71,3 +72,54 @@ def test_serve_arguments(tmp_path: Path) -> None:
     assert settings.run_dir == tmp_path / "run" and settings.api_keys == ["k"] and settings.max_loras == 3
     assert settings.adapters == [f"x={tmp_path}/a", f"b={tmp_path / 'b'}"]
     assert settings.host == "127.0.0.1" and settings.port == 9000
+
+
+def test_serves_matches_models_without_listing(tiny: LoadedModel, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``resolve`` accepts exactly the names ``models`` lists, and never builds that list (1,000-client runs)."""
+    for name, seed in (("g", 1), ("l", 2), ("x", 3)):
+        write_adapter(tiny, tmp_path / name, seed=seed)
+    adapted = inject(tiny.model)
+    pool = AdapterPool(adapted, root=tmp_path)
+    resolver = TargetResolver("tiny", pool)
+    names = ["tiny", "global", "c7", "c7:local", "extra", "c8", "nope", "c7:local:local", ""]
+    pool.load("c7:local", "l")
+    assert [n for n in names if resolver.serves(n)] == [n for n in names if n in resolver.models()] \
+        == ["tiny", "c7:local"]  # no global adapter: c7 is not a FedDPA client
+    pool.load("global", "g")
+    pool.load("extra", "x")
+    listed = resolver.models()
+    assert listed == ["tiny", "c7:local", "global", "extra", "c7"]
+    assert [n for n in names if resolver.serves(n)] == [n for n in names if n in listed]
+    monkeypatch.setattr(pool, "names", lambda: pytest.fail("resolve listed every adapter"))
+    assert resolver.resolve("c7").mode == "feddpa" and resolver.resolve("extra").mode == "adapter"
+    assert resolver.resolve("tiny").mode == "base"
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser.add_subparsers())
+    return parser.parse_args(["serve", "--model", "tiny", *argv])
+
+
+def test_engine_limits_from_the_command_line() -> None:
+    """The engine's fault and queue settings are options; the environment applies when one is not given."""
+    settings = settings_from_args(_serve_args("--max-waiting", "5", "--max-prefill-tokens", "64",
+                                              "--request-timeout", "none", "--shutdown-timeout", "2.5",
+                                              "--no-exit-on-engine-failure"))
+    assert (settings.max_waiting, settings.max_prefill_tokens, settings.request_timeout_s,
+            settings.shutdown_timeout_s, settings.exit_on_engine_failure) == (5, 64, None, 2.5, False)
+    assert settings_from_args(_serve_args("--request-timeout", "30")).request_timeout_s == 30.0
+    assert settings_from_args(_serve_args()).request_timeout_s == 600.0
+
+
+@pytest.mark.parametrize(("argv", "named"), [(["--max-prefill-tokens", "0"], "max_prefill_tokens"),
+                                             (["--request-timeout", "-1"], "request_timeout_s")])
+def test_invalid_engine_limits_exit_naming_the_setting(argv: list[str], named: str) -> None:
+    with pytest.raises(SystemExit, match=f"invalid server settings: {named}"):
+        settings_from_args(_serve_args(*argv))
+
+
+def test_request_timeout_refuses_words() -> None:
+    with pytest.raises(SystemExit):
+        _serve_args("--request-timeout", "soon")

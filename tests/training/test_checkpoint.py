@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import training.checkpoint as ckpt
+import training.durable as durable
 from adapters import LoraConfig
 from adapters.rundir import RunDir
 from training.checkpoint import (
@@ -128,7 +128,7 @@ def test_a_round_with_a_missing_or_partial_strategy_safetensors_is_not_complete(
         skeleton["extra"] = {"__tensor__": "not/written"}
         (folder / "strategy.json").write_text(json.dumps(skeleton))
     assert (folder / COMPLETE).is_file() and last_complete(run) == 0  # falls back to the intact round
-    with pytest.raises(FileNotFoundError, match="round 1 has no complete checkpoint.*strategy.safetensors"):
+    with pytest.raises(FileNotFoundError, match="round 1 has no complete checkpoint.*strategy"):
         load_round(run, 1)
 
 
@@ -136,23 +136,23 @@ def test_a_crash_while_writing_strategy_tensors_leaves_no_complete_round(tmp_pat
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     run = RunDir(tmp_path)
     _save(run, 0, {"k": torch.zeros(3)})
-    real = ckpt.save_file
+    real = durable.save_file
 
-    def crash_on_strategy(tensors: dict[str, torch.Tensor], filename: str) -> None:
+    def crash_on_strategy(tensors: dict[str, torch.Tensor], filename: str, metadata: object = None) -> None:
         if "k" in tensors:  # the strategy's file: write part of it, then die
             real(tensors, filename)
             Path(filename).write_bytes(Path(filename).read_bytes()[:30])
             raise OSError("disk full")
         real(tensors, filename)
 
-    monkeypatch.setattr(ckpt, "save_file", crash_on_strategy)
+    monkeypatch.setattr(durable, "save_file", crash_on_strategy)
     with pytest.raises(OSError, match="disk full"):
         _save(run, 1, {"k": torch.ones(3)})
     folder = run.round_dir(1)
     assert not (folder / COMPLETE).exists() and not (folder / "strategy.safetensors").exists()
     assert not list(folder.glob(".tmp-*"))  # the partial temporary file is removed
     assert last_complete(run) == 0
-    monkeypatch.setattr(ckpt, "save_file", real)
+    monkeypatch.setattr(durable, "save_file", real)
     _save(run, 1, {"k": torch.ones(3)})  # a retry replaces the failed attempt
     assert last_complete(run) == 1 and torch.equal(load_round(run, 1)[1]["k"], torch.ones(3))
 

@@ -23,6 +23,7 @@ from training.data import (
     load_dataset,
     load_folder,
     pool,
+    read_records,
     sample_clients,
     split_tasks,
     tokenize_record,
@@ -172,3 +173,15 @@ def test_generated_suite_is_deterministic_correct_and_round_trips(tmp_path: Path
     assert back.tests == a.tests
     via_spec = load_dataset("generated", n_train=5, n_test=1)
     assert via_spec.clients[0].train == generate_suite(n_train=5, n_test=1).clients[0].train
+
+
+def test_read_records_without_outputs_only_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, [{"instruction": "q", "task": "qa"}, {"instruction": "r", "output": "s"}])
+    with pytest.raises(DataError, match=r"t.jsonl:1: missing field 'output'"):
+        read_records(path)  # training data must have outputs
+    records = read_records(path, default_task="t", require_output=False)  # evaluation names the metric instead
+    assert [(r.output, r.task) for r in records] == [("", "qa"), ("s", "t")]
+    write_jsonl(path, [{"instruction": "q", "output": 3}])
+    with pytest.raises(DataError, match="field 'output' must be a string"):
+        read_records(path, require_output=False)

@@ -4,6 +4,7 @@ embedding noise, and the paper's ablations as reached from ``fedmosaic train --o
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from adapters.rundir import RunDir
 from fedmosaic.cli import main
 from models import tiny_llama
 from training.algorithms.fedamole import EMB, FedAMoLEClient, FedAMoLEStrategy, _cfg
+from training.checkpoint import load_round
 from training.data import generate_suite
 from training.protocol import ClientContext, FitRes, derive_seed
 from training.rsea import AMoLEConfig, assign_experts
@@ -30,8 +32,13 @@ OPTS = {"num_experts": 4, "max_experts": 3, "expert_choices": 2}
 def test_two_rounds_assign_train_and_export(tmp_path: Path) -> None:
     summary = run_federated("fedamole", DATA, tiny_llama(), tmp_path / "am", SimConfig(rounds=2), preset("tiny"),
                             OPTS, data_spec="generated")
-    assert summary.failures == [] and all(x == x for x in summary.losses)
     run = RunDir(tmp_path / "am")
+    client_rows = [json.loads(x) for x in run.metrics.read_text().splitlines() if '"status": "ok"' in x]
+    for r in (0, 1):  # each round's reported loss is the mean of its clients' losses, and finite
+        mine = [x["loss"] for x in client_rows if x["round"] == r]
+        assert len(mine) == len(DATA.client_ids) and math.isfinite(summary.losses[r])
+        assert summary.losses[r] == pytest.approx(sum(mine) / len(mine), rel=1e-9)
+    assert summary.failures == []
     for r in (0, 1):
         assignment = json.loads((run.round_dir(r) / "strategy.json").read_text())["assignment"]
         for clients in assignment.values():
@@ -171,3 +178,57 @@ def test_ablations_from_the_command_line(tmp_path: Path, name: str) -> None:
     adapted = inject(tiny_llama().model)
     assert load_amole(adapted, run.amole)[0] == {c: {m: tuple(rounds[1]["assignment"][m][c]) for m in modules}
                                                  for c in clients}
+
+
+def test_load_balance_loss_leaves_padding_out(tiny) -> None:  # noqa: ANN001
+    """The padded batch's load-balance term equals the one over the same sequences' real tokens run alone."""
+    from adapters.amole import load_balance_loss
+    from adapters.amole_routing import AMoLERouting
+    from training.algorithms.fedamole import amole_loss, ensure_experts
+    from training.data import collate
+
+    rt = Runtime(tiny, preset("tiny"))
+    cfg = _cfg(OPTS)
+    ensure_experts(rt, cfg, 0)
+    assignment = {path: [0, 1, 2] for path in rt.adapted.layers}
+    rt.model.eval()
+    examples = sorted(rt.examples(DATA.client("sorting")), key=lambda e: len(e.input_ids))
+    short, long = examples[0], examples[-1]
+    assert len(short.input_ids) < len(long.input_ids)  # the batch below is right-padded
+    batch = collate([short, long], pad_id=rt.tokenizer.pad_token_id, device=rt.device)
+    _, extra = amole_loss(cfg, assignment)(rt, batch, (), torch.zeros(2, 0))  # with grad: the layers record stats
+    per_module: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    padded: list[torch.Tensor] = []
+    for ex in (short, long, None):
+        b = batch if ex is None else collate([ex], pad_id=rt.tokenizer.pad_token_id, device=rt.device)
+        routing = AMoLERouting(groups=(assignment,), row_group=torch.zeros(b["input_ids"].shape[0], dtype=torch.long),
+                               top_k=cfg.top_k)
+        with rt.adapted.context.route_tokens(routing):
+            rt.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        for path, g, idx in routing.stats:
+            if ex is None:
+                padded.append(load_balance_loss(g.detach(), idx))  # every position, padding included
+            else:
+                per_module.setdefault(path, []).append((g, idx))
+    reference = sum(float(load_balance_loss(torch.cat([g.detach() for g, _ in v]), torch.cat([i for _, i in v])))
+                    for v in per_module.values())
+    assert extra["load_balance"] == pytest.approx(reference, rel=1e-4)
+    assert float(sum(padded)) != pytest.approx(reference, rel=1e-4)  # counting the padding would differ
+
+
+def test_local_export_writes_each_clients_last_round_experts(tmp_path: Path) -> None:
+    run_federated("fedamole", DATA, tiny_llama(), tmp_path / "am", SimConfig(rounds=1), preset("tiny"),
+                  {**OPTS, "export": "local"}, data_spec="generated")
+    run = RunDir(tmp_path / "am")
+    aggregated = load_file(str(run.amole / "amole_model.safetensors"))
+    _, strategy_state, _ = load_round(run, 0)
+    for client in DATA.client_ids:
+        folder = run.client_dir(client) / "amole"
+        assert json.loads((folder / "assignments.json").read_text()).keys() == {client}
+        mine = load_file(str(folder / "amole_model.safetensors"))
+        uploaded = strategy_state["local"][client]
+        proj = [k for k in uploaded if k.endswith("token_proj")]
+        assert proj
+        for key in proj:  # the client's own projection, not the average over clients
+            file_key = f"base_model.model.{key}.weight"
+            assert torch.equal(mine[file_key], uploaded[key]) and not torch.equal(mine[file_key], aggregated[file_key])

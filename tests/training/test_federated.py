@@ -179,8 +179,19 @@ def test_embeddings_index_beside_each_local_adapter(tmp_path: Path) -> None:
         assert index.ntotal == len(c.train)
 
 
-def test_seeds_are_stable() -> None:
-    assert derive_seed(0, 1, "a") == derive_seed(0, 1, "a") != derive_seed(0, 2, "a")
+def test_seeds_are_stable_across_processes_and_versions() -> None:
+    # Pinned values: a resumed run (another process, PYTHONHASHSEED, machine) must draw what the first drew,
+    # so the derivation may never change; the values were computed once with the documented rule below.
+    assert derive_seed(0, 1, "a") == 1732979770
+    assert derive_seed(7, "global-init") == 1041914815
+    assert derive_seed(3, 12, "client-x", "local") == 1530342833
+    import hashlib
+
+    def rule(*parts: object) -> int:  # the docstring's rule: sha256 of the repr, first 4 bytes, 31 bits
+        return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+    assert all(derive_seed(s, r, c) == rule(s, r, c) for s in (0, 5) for r in range(3) for c in ("a", "b"))
+    assert len({derive_seed(0, r, c) for r in range(20) for c in "abcd"}) == 80  # no collisions among labels
 
 
 def test_train_cli_and_eval_cli(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from adapters.amole_io import load_amole
 from adapters.rundir import RunDir
 from models import tiny_llama
 from routing.cache import EmbeddingIndex
+from training.algorithms import get_method
 from training.algorithms.fedamole import FedAMoLEStrategy, _cfg, subset
 from training.data import generate_suite
 from training.flower import FlowerConfig, run_flower_simulation
@@ -103,7 +104,8 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
         fa = load_file(str(flower.local_adapter(client) / "adapter_model.safetensors"))
         fb = load_file(str(local.local_adapter(client) / "adapter_model.safetensors"))
         assert all(torch.allclose(fa[k], fb[k], atol=1e-6) for k in fa)  # private state kept on the node
-        assert (Path(cfg.out) / "flower-clients" / client / "local.safetensors").is_file()  # mirrored to disk
+        mirror = Path(cfg.out) / "flower-clients" / client  # mirrored to disk: each round by version, then final
+        assert (mirror / "final" / "local.safetensors").is_file() and (mirror / "v1" / "local.safetensors").is_file()
         # the node embedded its own instances for the serving router, as the simulator does
         np.testing.assert_allclose(EmbeddingIndex.load(flower.client_dir(client)).raw,
                                    EmbeddingIndex.load(local.client_dir(client)).raw, atol=1e-5)
@@ -124,7 +126,8 @@ def test_fedamole_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
     flower = run_flower_simulation(cfg, num_clients=3)
     local = RunDir(tmp_path / "local")
     run_federated("fedamole", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root,
-                  SimConfig(rounds=2, embed=False), preset("tiny"), AMOLE, data_spec="generated",
+                  SimConfig(rounds=2, embed=False), preset("tiny", get_method("fedamole").regime), AMOLE,
+                  data_spec="generated",
                   data_options=DATA_OPTIONS)
     assert json.loads((flower.root / "summary.json").read_text())["failures"] == []
     assert not flower.global_adapter.exists()  # the method's export replaces the PEFT folders
@@ -162,7 +165,8 @@ def test_pfedseq_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> N
     flower = run_flower_simulation(cfg, num_clients=2)
     local = RunDir(tmp_path / "local")
     run_federated("pfedseq", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root,
-                  SimConfig(rounds=3, embed=False), preset("tiny"), PFEDSEQ, data_spec="generated",
+                  SimConfig(rounds=3, embed=False), preset("tiny", get_method("pfedseq").regime), PFEDSEQ,
+                  data_spec="generated",
                   data_options=DATA_OPTIONS)
     rows, sim_rows = _rows(flower), _rows(local)
     for r in (0, 1, 2):

@@ -345,3 +345,72 @@ def test_mamba_block_conv_taps_equal_torch_conv1d() -> None:
     block = ssm.MambaBlock(5, backend="torch")
     u = torch.randn(4, block.conv1d.in_channels, 7)
     assert torch.allclose(block._causal_conv(u), block.conv1d(u)[..., :7], atol=1e-6)
+
+
+def test_personal_state_is_the_final_global_plus_the_last_calibration() -> None:
+    strategy = PFedSeqStrategy(PFedSeqConfig(warmup=1, window=2, server_device="cpu", chunk=5), seed=0)
+    state, _, _ = _play(strategy, _state(0, 0.1), range(3))
+    layout = strategy.layout
+    last = torch.cat([calibrate(learner, strategy.history.steps, s, e, 1000)
+                      for learner, (_, s, e) in zip(strategy.learners, layout.groups, strict=True)], dim=1)
+    assert float(last.abs().max()) > 0
+    for i, c in enumerate(CLIENTS):
+        personal = strategy.personal_state(c, state)
+        assert personal is not None
+        torch.testing.assert_close(layout.flatten(personal) - layout.flatten(state), last[i], rtol=1e-5, atol=1e-6)
+    assert strategy.personal_state("stranger", state) is None
+    warm = PFedSeqStrategy(PFedSeqConfig(warmup=5, window=2, server_device="cpu"), seed=0)
+    state, _, _ = _play(warm, _state(0, 0.1), range(2))  # still in the warm-up: the personal model is the global
+    assert all(torch.equal(warm.personal_state("a", state)[k], state[k]) for k in state)
+
+
+def test_run_serves_algorithm_1s_personalized_adapter(tmp_path: Path) -> None:
+    run = _run(tmp_path / "r", 3)
+    _, strategy_state, _ = load_round(run, 2)
+    layout = Layout.from_dict(strategy_state["layout"])
+
+    def flat(folder: Path) -> torch.Tensor:  # PEFT file keys -> state keys
+        peft = _adapter(folder)
+        return layout.flatten({k.removeprefix("base_model.model.").removesuffix(".weight"): v for k, v in peft.items()})
+
+    glob = flat(run.global_adapter)
+    for i, c in enumerate(strategy_state["roster"]):
+        mine = flat(run.local_adapter(c))
+        torch.testing.assert_close(mine - glob, strategy_state["calib"][i].float(), rtol=1e-4, atol=1e-6)
+
+
+def test_ablation_a_builds_on_each_clients_own_adapter() -> None:
+    strategy = PFedSeqStrategy(PFedSeqConfig(warmup=5, window=2, server_device="cpu", aggregation=False), seed=0)
+    state, sent, _ = _play(strategy, _state(0, 0.1), range(2))
+    ins = strategy.configure_round(2, CLIENTS, state)  # no calibration yet (warm-up): theta_hat_i itself
+    for c, res in zip(CLIENTS, _results(1), strict=True):
+        assert all(torch.allclose(ins[c].state[k], sent[1][c][k] + res.state[k], atol=1e-7) for k in state)
+    assert not torch.allclose(strategy.layout.flatten(ins["a"].state), strategy.layout.flatten(state))
+
+
+@pytest.mark.parametrize("kind", ["ssm", "lstm", "mlp"])
+def test_ablation_c_calibrates_each_client_from_its_own_sequence_only(kind: str) -> None:
+    from training.seqlearn.learners import OwnSequence
+
+    torch.manual_seed(0)
+    learner = OwnSequence(make_learner(kind, 1, 4, backend="torch"))
+    x = torch.randn(5, 3, 4)  # [b, l, N]
+    y = x.clone()
+    y[:, :, 2] += 1.0  # client 2's updates change
+    out_x, out_y = learner(x), learner(y)
+    assert out_x.shape == (5, 4)
+    torch.testing.assert_close(out_x[:, [0, 1, 3]], out_y[:, [0, 1, 3]])  # nobody else's calibration moves
+    assert not torch.allclose(out_x[:, 2], out_y[:, 2])
+    alone = learner.learner(x[:, :, 2:3])[:, 0]  # the same single-channel learner on client 2's sequence alone
+    torch.testing.assert_close(out_x[:, 2], alone)
+
+
+@pytest.mark.parametrize("option", [{"aggregation": False}, {"cross_client": False}, {"personalize": "trained"}])
+def test_ablations_run_from_the_options(tmp_path: Path, option: dict) -> None:
+    data = generate_suite(**DATA_OPTIONS)
+    run_federated("pfedseq", data, tiny_llama(), tmp_path / "r", SimConfig(rounds=2, embed=False), preset("tiny"),
+                  {**OPTIONS, **option}, data_spec="generated", data_options=DATA_OPTIONS)
+    run = RunDir(tmp_path / "r")
+    assert run.read_config()["options"][next(iter(option))] == next(iter(option.values()))
+    for c in data.client_ids:
+        assert (run.local_adapter(c) / "adapter_model.safetensors").is_file()

@@ -2,7 +2,8 @@
 
 Per round (METHODS.md 1.6 order): each client receives its assigned domain experts per module, the
 shared expert and the token projections; trains them with AMoLE routing and the load-balance loss
-(NLL + 0.001 * sum over modules of the Switch loss, 1.3); then embeds its embedding set (5 % of its
+(NLL + 0.001 * sum over modules of the Switch loss, 1.3, over the real tokens: padding is left out, as
+the reference's batch-1 sequences have none); then embeds its embedding set (5 % of its
 data, at most 200 examples) to upload the client embedding and its experts' embeddings (1.4). The
 server averages the token projections and the shared expert over all clients and each domain expert
 over its holders (1.6), scores relevance between server expert embeddings and client embeddings, and
@@ -16,6 +17,12 @@ Options (``--option KEY=VALUE``; unknown keys are refused) cover the paper's abl
 FedAMoLE-A (a vanilla MoLE router) is not implemented. Uploaded embeddings can be protected
 (Appendix C.2) with ``embed_noise=<sigma>`` (Gaussian) or ``dp_noise=true`` (the reference's
 mechanism, rate ``dp_eta``), drawn from (seed, round, client) so training itself is unchanged.
+
+The exported model (``export``; the paper does not say which it evaluates): ``aggregated`` (default) is
+the server's pool after the last aggregation, one servable ``adapters/amole`` folder; ``local`` adds
+each client's last-round locally trained experts, shared expert and token projections before
+aggregation (``adapters/clients/<id>/amole``), which is what the reference code evaluates (its MTAL is
+measured on each client's model right after local training, METHODS.md 1.9).
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from adapters.amole import load_balance_loss
 from adapters.amole_layer import SHARED, add_amole_experts, expert_name
 from adapters.amole_routing import AMoLERouting
 from training.data import collate
-from training.local_train import train_adapters
+from training.local_train import LossFn, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.regime import Regime
 from training.rsea import (
     AMoLEConfig,
     add_dp_noise,
@@ -44,8 +52,15 @@ from training.rsea import (
 )
 from training.rsea_embed import EmbeddingAccumulator
 from training.runtime import Runtime
+from training.validation import layout_problem
 
 EMB = "emb."
+# Paper 002 App. D.1.2: Adam, batch 1, lr decayed x0.99 per round; the lr (5e-5), 200 steps per round, 30 rounds
+# and no schedule inside a round are the reference code's (the numbers are missing from the paper's text,
+# METHODS.md 1.7-1.8).
+REGIME = Regime(optimizer="adam", lr=5e-5, schedule="constant", round_decay=0.99, batch_size=1, local_epochs=1,
+                max_steps=200, rounds=30, source="paper 002 App. D.1.2 (Adam, batch 1, x0.99/round); "
+                "lr 5e-5, 200 steps, 30 rounds: reference code")
 
 
 def ensure_experts(rt: Runtime, cfg: AMoLEConfig, seed: int) -> None:
@@ -108,6 +123,7 @@ class FedAMoLEStrategy(Strategy):
         self.assignment: dict[str, dict[str, list[int]]] | None = None
         self.scores: dict[str, list[list[float]]] | None = None  # module -> (N_e, N_c) relevance
         self.score_clients: list[str] | None = None  # the clients of the score columns, in column order
+        self.local: dict[str, StateDict] = {}  # export=local: each client's last upload before aggregation
 
     def initial_state(self, runtime: Runtime) -> StateDict:
         ensure_experts(runtime, self.cfg, self.seed)
@@ -141,11 +157,31 @@ class FedAMoLEStrategy(Strategy):
             out[c] = FitIns(round_idx, subset(state, mine, self.cfg.shared_expert), {"assignment": mine})
         return out
 
+    def check_upload(self, ins: FitIns, res: FitRes) -> str | None:
+        """The experts sent, trained, plus one embedding per module and held expert (1-D, one length, float)."""
+        problem = layout_problem(ins.state, {k: v for k, v in res.state.items() if not k.startswith(EMB)})
+        if problem is not None:
+            return problem
+        assignment = ins.config.get("assignment", {})
+        allowed = {f"{EMB}{m}.client" for m in assignment}
+        allowed |= {f"{EMB}{m}.{expert_name(j)}" for m, ids in assignment.items() for j in ids}
+        emb = {k: v for k, v in res.state.items() if k.startswith(EMB)}
+        extra = sorted(set(emb) - allowed)
+        if extra:
+            return f"upload has unexpected embeddings, e.g. {extra[:2]}"
+        if any(v.dim() != 1 or not v.is_floating_point() for v in emb.values()):
+            return "every embedding must be a 1-D float tensor"
+        if len({v.shape[0] for v in emb.values()}) > 1:
+            return "embeddings differ in length"
+        return None
+
     def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
                   state: StateDict) -> StateDict | None:
         if not results:
             return None
         uploads = {r.client_id: {k: v for k, v in r.state.items() if not k.startswith(EMB)} for r in results}
+        if self.cfg.export == "local":
+            self.local = uploads  # the last round's stay: the reference evaluates these, not the averages
         new = dict(state)
         new.update(mean_over_holders(uploads))
         self._relevance(results)
@@ -170,7 +206,8 @@ class FedAMoLEStrategy(Strategy):
             self.scores = None  # a client failed: its column is missing, fall back to random scores
 
     def state_dict(self) -> dict[str, Any]:
-        return {"assignment": self.assignment, "scores": self.scores, "score_clients": self.score_clients}
+        return {"assignment": self.assignment, "scores": self.scores, "score_clients": self.score_clients,
+                "local": self.local}
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:
         self.assignment = data.get("assignment")
@@ -178,9 +215,31 @@ class FedAMoLEStrategy(Strategy):
         # Checkpoints without the column order were written by the simulator: columns in assignment order.
         default = list(next(iter(self.assignment.values()))) if self.assignment else None
         self.score_clients = data.get("score_clients", default)
+        self.local = {c: dict(s) for c, s in (data.get("local") or {}).items()}
 
     def summary(self) -> dict[str, Any]:
         return {"amole": json.loads(json.dumps(self.cfg.__dict__))}
+
+
+def amole_loss(cfg: AMoLEConfig, assignment: Mapping[str, list[int]]) -> LossFn:
+    """NLL + ``load_balance_alpha`` * the load-balance loss summed over modules (eqs. 25-27, METHODS.md 1.3).
+
+    Every row routes over the client's ``assignment``. Padding tokens are left out of the load-balance
+    loss: the reference trains at batch size 1 (no padding) and counts every real token, prompt included.
+    """
+
+    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
+        # one client: every row in group 0 (host-side grouping, see AMoLERouting.row_group)
+        rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long, device="cpu")
+        routing = AMoLERouting(groups=(dict(assignment),), row_group=rows, top_k=cfg.top_k,
+                               shared=cfg.shared_expert)
+        with rt.adapted.context.route_tokens(routing):
+            out = rt.model(**batch)
+        tokens = batch["attention_mask"].reshape(-1).bool()  # gates are (B*T, E), row-major
+        lb = torch.stack([load_balance_loss(g, idx, tokens) for _, g, idx in routing.stats]).sum()
+        return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
+
+    return loss_fn
 
 
 class FedAMoLEClient(ClientAlgorithm):
@@ -200,19 +259,11 @@ class FedAMoLEClient(ClientAlgorithm):
         for p in projs:
             p.requires_grad_(True)
 
-        def loss_fn(rt_: Runtime, batch: dict[str, torch.Tensor], names, weights):
-            # one client: every row in group 0 (host-side grouping, see AMoLERouting.row_group)
-            rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long, device="cpu")
-            routing = AMoLERouting(groups=(assignment,), row_group=rows, top_k=cfg.top_k, shared=cfg.shared_expert)
-            with rt_.adapted.context.route_tokens(routing):
-                out = rt_.model(**batch)
-            lb = torch.stack([load_balance_loss(g, idx) for _, g, idx in routing.stats]).sum()  # summed over modules
-            return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
-
+        loss_fn = amole_loss(cfg, assignment)
         try:
             res = train_adapters(rt, rt.examples(ctx.data), trainable, (), (), seed=derive_seed(ctx.seed, ins.round,
                                  ctx.client_id, "amole"), loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} amole",
-                                 extra_params=projs)
+                                 extra_params=projs, round_idx=ins.round)
         finally:
             for p in projs:
                 p.requires_grad_(False)
@@ -273,7 +324,13 @@ def _cfg(o: Mapping[str, Any]) -> AMoLEConfig:
 
 
 def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> None:
-    """Write the experts, token projections and each client's final assignment (``adapters/amole``)."""
+    """Write the experts, token projections and each client's final assignment (``adapters/amole``).
+
+    With ``export=local`` also each client's personalised model as the reference evaluates it: the
+    aggregated pool with the client's last-round uploads (its experts, shared expert and token
+    projections, trained locally, before aggregation) in place, under its last assignment, in
+    ``adapters/clients/<id>/amole`` (servable by path, like any AMoLE folder).
+    """
     from adapters.amole_io import save_amole
 
     load_state(rt, state)
@@ -282,12 +339,22 @@ def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> No
         for client, ids in clients.items():
             per_client.setdefault(client, {})[module] = ids
     save_amole(rt.adapted, run.amole, strategy.cfg.num_experts, per_client, top_k=strategy.cfg.top_k)
+    if strategy.cfg.export != "local":
+        return
+    for client, upload in strategy.local.items():
+        load_state(rt, state)
+        load_state(rt, upload)
+        # strategy.assignment is still the last round's (the next is only solved in configure_round)
+        save_amole(rt.adapted, run.client_dir(client) / "amole", strategy.cfg.num_experts,
+                   {client: per_client[client]},
+                   top_k=strategy.cfg.top_k)
+    load_state(rt, state)
 
 
 FEDAMOLE = Method(
     name="fedamole", strategy=lambda o: FedAMoLEStrategy(_cfg(o), int(o.get("seed", 0))),
     client=lambda o: FedAMoLEClient(_cfg(o), int(o.get("seed", 0))),
     defaults={"num_experts": 30, "expert_choices": 2, "top_k": 2, "min_experts": 2, "max_experts": 8,
-              "load_balance_alpha": 0.001, "assignment": "rsea"},
-    export=export,
+              "load_balance_alpha": 0.001, "assignment": "rsea", "export": "aggregated"},
+    export=export, regime=REGIME,
 )

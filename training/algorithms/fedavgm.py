@@ -13,17 +13,18 @@ from typing import Any
 
 import torch
 
-from training.aggregate import Weighting, aggregate_results
+from training.aggregate import Weighting
 from training.algorithms.fedit import FedAvgClient, FedAvgStrategy
 from training.protocol import FitRes, Method, StateDict
+from training.robust import RobustConfig
 
 
 class FedAvgMStrategy(FedAvgStrategy):
     """Server: a fresh global adapter (as FedIT), then a momentum step along the averaged update each round."""
 
     def __init__(self, seed: int = 0, weighting: Weighting = "equal", momentum: float = 0.9,
-                 server_lr: float = 1.0) -> None:
-        super().__init__(seed=seed, weighting=weighting)
+                 server_lr: float = 1.0, robust: RobustConfig | None = None) -> None:
+        super().__init__(seed=seed, weighting=weighting, robust=robust)
         if not 0.0 <= momentum < 1.0 or server_lr <= 0.0:
             raise ValueError(f"FedAvgM needs 0 <= momentum < 1 and server_lr > 0, got {momentum} and {server_lr}")
         self.momentum = momentum
@@ -33,7 +34,7 @@ class FedAvgMStrategy(FedAvgStrategy):
     def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
                   state: StateDict) -> StateDict | None:
         """The momentum step along the averaged upload; None (keep everything) when nobody uploaded."""
-        average = aggregate_results(results, self.weighting)
+        average = self.average(results, state)
         if average is None:
             return None
         new: StateDict = {}
@@ -58,7 +59,8 @@ class FedAvgMStrategy(FedAvgStrategy):
 
 def _strategy(o: Mapping[str, Any]) -> FedAvgMStrategy:
     return FedAvgMStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
-                           momentum=float(o.get("momentum", 0.9)), server_lr=float(o.get("server_lr", 1.0)))
+                           momentum=float(o.get("momentum", 0.9)), server_lr=float(o.get("server_lr", 1.0)),
+                           robust=RobustConfig.from_options(o))
 
 
 FEDAVGM = Method(name="fedavgm", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),

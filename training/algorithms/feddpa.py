@@ -8,6 +8,9 @@ at round 1 and is the client's private state afterwards. The client then trains 
 alone from the received global and uploads only that; the server averages with equal weights.
 alpha = 0.5 (dataset 1; 0.3 for dataset 2) and at inference lambda = alpha.
 
+``mu > 0`` runs either variant inside FedProx (paper 000 Table 8: FedDPA's local adapters on top of a
+FedProx global): the global step adds ``mu/2 ||theta - theta_g||^2`` toward the received global.
+
 FedDPA-F (section 4.2): FedIT, then the local adapter is a copy of the final global fine-tuned on the
 client's data (the author's recipe, METHODS.md 2.7); inference lambda = 1.
 """
@@ -17,18 +20,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from training.algorithms.fedit import FedAvgStrategy, train_global
+from training.algorithms.fedit import FedAvgClient, FedAvgStrategy, train_global
 from training.algorithms.local import FineTuneClient, fresh_local, train_local
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy
+from training.robust import RobustConfig
 
 
 class FedDPATClient(ClientAlgorithm):
     """Client of FedDPA-T: local step beside the frozen global, then the global step; uploads the global."""
 
-    def __init__(self, alpha: float = 0.5) -> None:
+    def __init__(self, alpha: float = 0.5, mu: float = 0.0) -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"FedDPA-T alpha must be in [0, 1], got {alpha}")
         self.alpha = alpha
+        self.prox = FedAvgClient(mu)  # mu = 0: FedIT's global step; mu > 0: FedProx's (Table 8)
 
     def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
         metrics: dict[str, float] = {}
@@ -37,21 +42,24 @@ class FedDPATClient(ClientAlgorithm):
             start = ctx.private.get("local") or fresh_local(ctx)
             metrics.update(train_local(ctx, ins.round, start, names=("global", "local"),
                                        weights=(1.0 - self.alpha, self.alpha)))
-        state, global_metrics = train_global(ins, ctx)
+        state, global_metrics = train_global(ins, ctx, self.prox.loss(ins.state))
         metrics.update(global_metrics)
         return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
 
 
 def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
+                          robust=RobustConfig.from_options(o))
 
 
 FEDDPA_T = Method(
-    name="feddpa-t", strategy=_strategy, client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5))),
+    name="feddpa-t", strategy=_strategy,
+    client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5)), mu=float(o.get("mu", 0.0))),
     has_local=True, instance_weighting=True,
-    inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal"}, inference_option="alpha",
+    inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal", "mu": 0.0}, inference_option="alpha",
 )
 FEDDPA_F = Method(
-    name="feddpa-f", strategy=_strategy, client=lambda o: FineTuneClient(), has_local=True, instance_weighting=True,
-    inference_weight=1.0, defaults={"lambda": 1.0, "weighting": "equal"}, inference_option="lambda",
+    name="feddpa-f", strategy=_strategy, client=lambda o: FineTuneClient(mu=float(o.get("mu", 0.0))), has_local=True,
+    instance_weighting=True, inference_weight=1.0, defaults={"lambda": 1.0, "weighting": "equal", "mu": 0.0},
+    inference_option="lambda",
 )

@@ -2,7 +2,9 @@
 
 Each selected client starts from the received global adapter, trains it alone on its data, and
 uploads it; the server averages, with equal client weights by default (the FedDPA papers aggregate
-"based on client number", METHODS.md 2.2) or by ``num_examples``. FedProx adds ``mu/2 ||theta -
+"based on client number", METHODS.md 2.2) or by ``num_examples``; the options ``clip_norm``,
+``aggregator`` and ``trim`` turn on robust aggregation (:mod:`training.robust`) for every method built
+on this strategy (FedIT, FedProx, FedDPA, FedOA, FedMCP, FedAvgM). FedProx adds ``mu/2 ||theta -
 theta_g||^2`` to the client loss; ``mu = 0`` is FedIT exactly.
 """
 
@@ -16,27 +18,38 @@ import torch
 from training.aggregate import Weighting, aggregate_results
 from training.local_train import LossFn, lm_loss, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.regime import BASELINE_REGIME
+from training.robust import RobustConfig, robust_aggregate
 from training.runtime import Runtime
 
 
 class FedAvgStrategy(Strategy):
-    """Server: a fresh global adapter at start, FedAvg of the uploads every round."""
+    """Server: a fresh global adapter at start, FedAvg of the uploads every round (or a robust combination)."""
 
-    def __init__(self, seed: int = 0, weighting: Weighting = "equal") -> None:
+    def __init__(self, seed: int = 0, weighting: Weighting = "equal", robust: RobustConfig | None = None) -> None:
         if weighting not in ("equal", "num_examples"):
             raise ValueError(f"weighting must be 'equal' or 'num_examples', got {weighting!r}")
         self.seed = seed
         self.weighting = weighting
+        self.robust = robust or RobustConfig()
+
+    def average(self, results: list[FitRes], state: StateDict) -> StateDict | None:
+        """The uploads combined: the plain weighted average, or :mod:`training.robust`'s when it is on."""
+        if not self.robust.active:
+            return aggregate_results(results, self.weighting)
+        weights = [1.0 if self.weighting == "equal" else float(r.num_examples) for r in results]
+        return robust_aggregate(results, state, weights, self.robust)
 
     def initial_state(self, runtime: Runtime) -> StateDict:
         return runtime.fresh("global", derive_seed(self.seed, "global-init"))
 
     def aggregate(self, round_idx: int, results: list[FitRes], failures: list[tuple[str, str]],
                   state: StateDict) -> StateDict | None:
-        return aggregate_results(results, self.weighting)
+        return self.average(results, state)
 
     def summary(self) -> dict[str, Any]:
-        return {"aggregation": self.weighting}
+        robust = {"robust": self.robust.__dict__} if self.robust.active else {}
+        return {"aggregation": self.weighting, **robust}
 
 
 def train_global(ins: FitIns, ctx: ClientContext, loss_fn: LossFn = lm_loss) -> tuple[StateDict, dict[str, float]]:
@@ -45,7 +58,7 @@ def train_global(ins: FitIns, ctx: ClientContext, loss_fn: LossFn = lm_loss) -> 
     rt.set("global", ins.state)
     res = train_adapters(rt, rt.examples(ctx.data), ["global"], ["global"], [1.0],
                          seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "global"),
-                         loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} global")
+                         loss_fn=loss_fn, desc=f"r{ins.round} {ctx.client_id} global", round_idx=ins.round)
     return rt.get("global"), res.metrics()
 
 
@@ -79,7 +92,8 @@ class FedAvgClient(ClientAlgorithm):
 
 
 def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
+                          robust=RobustConfig.from_options(o))
 
 
 FEDIT = Method(name="fedit", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
@@ -87,4 +101,4 @@ FEDIT = Method(name="fedit", strategy=_strategy, client=lambda o: FedAvgClient(m
 FEDPROX = Method(name="fedprox", strategy=_strategy, client=lambda o: FedAvgClient(mu=float(o.get("mu", 0.01))),
                  defaults={"weighting": "equal", "mu": 0.01})
 CENTRALIZED = Method(name="centralized", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
-                     centralized=True)
+                     centralized=True, regime=BASELINE_REGIME)

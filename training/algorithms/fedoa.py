@@ -4,39 +4,91 @@ Like FedDPA-T (round 0 global only; then local step, then global step; only the 
 but the local adapter runs alone, with ``loss = CE_local + lambda * D(E_local, E_global)`` where E is
 the final-layer state of the last token (global features detached, METHODS.md 3.1); D is the
 reference's Frobenius norm over the batch (``l2``, the paper) or ``cosine`` / ``pearson``; lambda 0.5.
+The batch is the optimizer step's whole logical batch (:class:`FedOALoss`), so D's strength does not
+change with ``--micro-batch-size`` (the unsquared norm grows with the square root of the rows it covers).
 At inference the client uses its local adapter (intra-client), so the mixture weight is 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import fresh_local
+from training.batch_terms import SplitTerm, eval_mode, micro_share, split_term
 from training.features import feature_distance, last_token
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
+from training.regime import Regime
+from training.robust import RobustConfig
 from training.runtime import Runtime
 
+# Paper 001 section 5 and App. C: K = 2 local epochs, batch 32, T = 20; lr, AdamW and the linear decay are the
+# reference code's (same FedDPA skeleton, METHODS.md 3).
+REGIME = Regime(local_epochs=2, source="paper 001 s5.1 + App. C (K=2 epochs, batch 32, T=20); lr/AdamW: reference code")
 
-def fedoa_loss(lam: float, distance: str):
+
+def _features(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None,
+              labels: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(LM loss or None, last-token final-layer features (B, H)); ``adapter`` None keeps the caller's context."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    kwargs = {"labels": batch["labels"]} if labels else {}
+    if adapter is None:
+        out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
+    else:
+        with rt.adapted.context.use((adapter,), torch.ones(ids.shape[0], 1, device=ids.device), trainable=()):
+            out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
+    return (out.loss if labels else None), last_token(out.hidden_states[-1], mask)
+
+
+class FedOALoss:
+    """The FedOA objective ``CE + lambda * D(E_local, E_global)`` with D over the whole logical batch.
+
+    The reference computes D (an unsquared Frobenius norm for ``l2``) on each forward's batch; here the
+    batch is the optimizer step's, whatever ``--micro-batch-size`` is (:mod:`training.batch_terms`).
+    A :class:`training.local_train.BatchLoss`; the local adapter is on in the caller's context.
+    """
+
+    def __init__(self, lam: float, distance: str) -> None:
+        self.lam, self.distance = lam, distance
+        self._split: SplitTerm | None = None
+        self._index = 0
+
+    def _term(self, local: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+        return self.lam * feature_distance(local, glob.detach(), self.distance)
+
+    def begin_step(self, rt: Runtime, batches: Sequence[dict[str, torch.Tensor]], names: Sequence[str],
+                   weights: torch.Tensor) -> None:
+        self._split, self._index = None, 0
+        if len(batches) < 2 or self.lam == 0:
+            return  # one forward holds the whole batch: computed directly (and exactly, dropout included)
+        feats, consts = [], []
+        with eval_mode(rt.model):
+            for b in batches:
+                with rt.adapted.context.use(tuple(names), weights.expand(b["input_ids"].shape[0], -1), trainable=()):
+                    feats.append((_features(rt, b, None)[1],))
+                consts.append((_features(rt, b, "global")[1],))
+        self._split = split_term(self._term, feats, consts)
+
+    def __call__(self, rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
+        loss, e_local = _features(rt, batch, None, labels=True)
+        assert loss is not None
+        if self._split is not None:
+            reg = micro_share(self._split, self._index, (e_local,))
+            self._index += 1
+            return loss + reg, {"reg": float(self._split.value)}
+        with torch.no_grad():
+            e_global = _features(rt, batch, "global")[1]
+        reg = self._term(e_local, e_global)
+        return loss + reg, {"reg": float(reg.detach())}
+
+
+def fedoa_loss(lam: float, distance: str) -> FedOALoss:
     """The FedOA objective as a :data:`training.local_train.LossFn` (local adapter on in the context)."""
-
-    def loss_fn(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        out = rt.model(input_ids=ids, attention_mask=mask, labels=batch["labels"], output_hidden_states=True)
-        e_local = last_token(out.hidden_states[-1], mask)  # (B, H)
-        with torch.no_grad(), rt.adapted.context.use(("global",), torch.ones(ids.shape[0], 1, device=ids.device),
-                                                     trainable=()):
-            ref = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        e_global = last_token(ref.hidden_states[-1], mask).detach()
-        reg = feature_distance(e_local, e_global, distance)
-        return out.loss + lam * reg, {"reg": float(reg.detach())}
-
-    return loss_fn
+    return FedOALoss(lam, distance)
 
 
 class FedOAClient(ClientAlgorithm):
@@ -56,7 +108,7 @@ class FedOAClient(ClientAlgorithm):
             res = train_adapters(rt, rt.examples(ctx.data), ["local"], ["local"], [1.0],
                                  seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "local"),
                                  loss_fn=fedoa_loss(self.lam, self.distance),
-                                 desc=f"r{ins.round} {ctx.client_id} local")
+                                 desc=f"r{ins.round} {ctx.client_id} local", round_idx=ins.round)
             ctx.private["local"] = rt.get("local")
             metrics.update({f"local_{k}": v for k, v in res.metrics().items()})
         state, global_metrics = train_global(ins, ctx)
@@ -65,11 +117,13 @@ class FedOAClient(ClientAlgorithm):
 
 
 def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
+    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
+                          robust=RobustConfig.from_options(o))
 
 
 FEDOA = Method(
     name="fedoa", strategy=_strategy,
     client=lambda o: FedOAClient(lam=float(o.get("lambda", 0.5)), distance=str(o.get("distance", "l2"))),
     has_local=True, inference_weight=1.0, defaults={"lambda": 0.5, "distance": "l2", "weighting": "equal"},
+    regime=REGIME,
 )

@@ -14,6 +14,7 @@ from typing import Any
 from training.algorithms.fedit import FedAvgClient, FedAvgStrategy
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
+from training.regime import BASELINE_REGIME
 from training.runtime import Runtime
 
 
@@ -35,7 +36,7 @@ def train_local(ctx: ClientContext, round_idx: int, start: StateDict, names: tup
     rt.set("local", start)
     res = train_adapters(rt, rt.examples(ctx.data), ["local"], names, weights,
                          seed=derive_seed(ctx.seed, round_idx, ctx.client_id, phase),
-                         desc=f"r{round_idx} {ctx.client_id} {phase}")
+                         desc=f"r{round_idx} {ctx.client_id} {phase}", round_idx=round_idx)
     ctx.private["local"] = rt.get("local")
     return {f"{phase}_{k}": v for k, v in res.metrics().items()}
 
@@ -66,6 +67,6 @@ def _fedavg(o: Mapping[str, Any]) -> Strategy:
 
 
 LOCAL = Method(name="local", strategy=lambda o: NoServer(), client=lambda o: LocalClient(),
-               has_local=True, inference_weight=1.0)
+               has_local=True, inference_weight=1.0, regime=BASELINE_REGIME)
 FEDLORA = Method(name="fedlora", strategy=_fedavg, client=lambda o: FineTuneClient(), has_local=True,
                  inference_weight=1.0, defaults={"weighting": "equal"})

@@ -1,9 +1,12 @@
 """pFedSeq (paper 003, Algorithm 1; METHODS.md 4.1): FedAvg global plus per-client calibrations from a
 sequential learner over the last L rounds of client updates.
 
-Client: trains the adapter it received (its personalized adapter theta_i^{t-1}), keeps the result as its
-private ``local`` adapter (the personalized model that ``fedmosaic eval`` scores, inference weight 1)
-and uploads only the update ``Delta_i^t = trained - received``.
+Client: trains the adapter it received (its personalized adapter theta_i^{t-1}) and uploads only the
+update ``Delta_i^t = trained - received``. Its personalized model (its private ``local`` adapter, the one
+``fedmosaic eval`` scores, inference weight 1) is Algorithm 1's output: after the last round the server's
+aggregated global plus the client's last calibration, ``theta_i^T = global^T + xi_i^T`` (the global alone
+when the run ends within the warm-up). ``personalize=trained`` keeps the client's own last trained
+adapter ``theta_hat_i^T`` instead (the behaviour before this option).
 
 Server, round t (1-based; our round index + 1): reconstruct ``theta_hat_i = theta_i^{t-1} + Delta_i``;
 global = data-size-weighted FedAvg of the ``theta_hat_i`` (eq 1); if t >= 2, one Adam step of every
@@ -27,6 +30,11 @@ paper's CIFAR runs; ``window=1`` is ablation B), ``learner`` ``ssm`` | ``lstm`` 
 learner pass, 2048), ``scan`` ``auto`` | ``torch`` | ``kernel`` (mamba-ssm), ``server_device`` ``auto`` (the
 run's device: the base model's, i.e. ``--device`` / ``FEDMOSAIC_DEVICE``) | ``cpu`` | ``cuda[:i]``, ``clients``
 (the roster, i.e. the learner's channels in order; default: the clients of the first round).
+Ablations (paper section 5.3, Table 2): ``aggregation=false`` is variant A (no global aggregation: the
+learner generates each client's adapter from its own, ``theta_i^t = theta_hat_i^t + xi_i^t``, our reading
+of "generates personalized adapters directly"; the FedAvg global is still computed and exported);
+``window=1`` is B; ``cross_client=false`` is C (each client's calibration from its own update sequence
+only: one single-channel learner per layer, shared by the clients, run on each client's sequence alone).
 """
 
 from __future__ import annotations
@@ -44,9 +52,10 @@ from training.aggregate import weighted_average
 from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import train_local
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, derive_seed
+from training.regime import Regime
 from training.runtime import Runtime
 from training.seqlearn.history import Layout, UpdateHistory, calibrate, learner_step
-from training.seqlearn.learners import KINDS, make_learner
+from training.seqlearn.learners import KINDS, OwnSequence, make_learner
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,9 @@ class PFedSeqConfig:
     scan: str = "auto"
     server_device: str = "auto"
     clients: tuple[str, ...] = ()
+    aggregation: bool = True
+    cross_client: bool = True
+    personalize: str = "calibrated"
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.window < 1:
@@ -77,6 +89,10 @@ class PFedSeqConfig:
             raise ValueError(f"pFedSeq needs learner_lr > 0 and chunk >= 1, got {self.learner_lr}, {self.chunk}")
         if self.server_device not in ("auto", "cpu", "cuda") and not self.server_device.startswith("cuda:"):
             raise ValueError(f"server_device must be auto, cpu or cuda[:i], got {self.server_device!r}")
+        if self.personalize not in ("calibrated", "trained"):
+            raise ValueError(f"pFedSeq personalize must be calibrated or trained, got {self.personalize!r}")
+        if not isinstance(self.aggregation, bool) or not isinstance(self.cross_client, bool):
+            raise ValueError("pFedSeq aggregation and cross_client must be true or false")
         if len(set(self.clients)) != len(self.clients):
             raise ValueError(f"pFedSeq clients list has duplicates: {list(self.clients)}")
 
@@ -96,6 +112,10 @@ class PFedSeqConfig:
         return cls(**kwargs)
 
 
+# Paper 003 section 5 (Implementation): SGD, lr 0.005, batch 32, 1 local epoch, T = 80 rounds; the warm-up W
+# counts rounds, so a shorter budget scales it with the rounds.
+REGIME = Regime(optimizer="sgd", lr=0.005, schedule="constant", batch_size=32, local_epochs=1, rounds=80,
+                round_options=("warmup",), source="paper 003 s5 (SGD 0.005, batch 32, 1 epoch, T=80)")
 RECEIVED = "received_checksum"
 VERSION = 2  # of the strategy state: 1 packed the tensors as base64 text
 
@@ -117,6 +137,7 @@ class PFedSeqStrategy(FedAvgStrategy):
         self.layout: Layout | None = None
         self.history = UpdateHistory(cfg.window)
         self.calib: torch.Tensor | None = None  # [N, D] sent after the last round; None: the plain global
+        self.bases: torch.Tensor | None = None  # [N, D] ablation A: each client's own theta_hat, not the global
         self.learners: nn.ModuleList | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._metrics: dict[str, float] = {}
@@ -139,27 +160,43 @@ class PFedSeqStrategy(FedAvgStrategy):
         self.layout = layout
         with torch.random.fork_rng(devices=[]):  # learner init from the run seed, the global RNG untouched
             torch.manual_seed(derive_seed(self.seed, "pfedseq-learner"))
-            self.learners = nn.ModuleList(
-                make_learner(self.cfg.learner, len(self.roster), self.cfg.window, layers=self.cfg.layers,
-                             d_state=self.cfg.d_state, expand=self.cfg.expand, d_conv=self.cfg.d_conv,
-                             hidden=self.cfg.mlp_hidden, backend=self.cfg.scan)
-                for _ in layout.groups)
+            channels = len(self.roster) if self.cfg.cross_client else 1
+            learners = [make_learner(self.cfg.learner, channels, self.cfg.window, layers=self.cfg.layers,
+                                     d_state=self.cfg.d_state, expand=self.cfg.expand, d_conv=self.cfg.d_conv,
+                                     hidden=self.cfg.mlp_hidden, backend=self.cfg.scan) for _ in layout.groups]
+            self.learners = nn.ModuleList(learners if self.cfg.cross_client else [OwnSequence(m) for m in learners])
         self.learners.to(self.device)
         self.optimizer = torch.optim.Adam(self.learners.parameters(), lr=self.cfg.learner_lr)
 
+    def _theta(self, i: int, base: torch.Tensor) -> torch.Tensor:
+        """Client i's personalized adapter (flat): its base (the global, or ablation A's own) + its calibration."""
+        theta = base if self.bases is None else self.bases[i]
+        return theta if self.calib is None else theta + self.calib[i]
+
     def configure_round(self, round_idx: int, clients: list[str], state: StateDict) -> dict[str, FitIns]:
         self._check_roster(clients)
-        if self.calib is None or self.layout is None:
+        if (self.calib is None and self.bases is None) or self.layout is None:
             out = {c: FitIns(round=round_idx, state=state, config={"personalized": False}) for c in clients}
         else:
             base = self.layout.flatten(state, self.device)
             out = {}
             for c in clients:
-                theta = self.layout.unflatten(base + self.calib[self.roster.index(c)])
+                theta = self.layout.unflatten(self._theta(self.roster.index(c), base))
                 out[c] = FitIns(round=round_idx, state={k: v.to(state[k].dtype) for k, v in theta.items()},
                                 config={"personalized": True})
         self._sent = {c: checksum(ins.state) for c, ins in out.items()}
         return out
+
+    def check_upload(self, ins: FitIns, res: FitRes) -> str | None:
+        """An update of the adapter sent (its keys, shapes, dtypes) trained from exactly what was sent."""
+        problem = super().check_upload(ins, res)
+        if problem is not None:
+            return problem
+        try:
+            self._check_received(res)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def _check_received(self, res: FitRes) -> None:
         # theta_hat = sent + Delta is only right if the client trained from what was sent: a runtime that
@@ -188,8 +225,12 @@ class PFedSeqStrategy(FedAvgStrategy):
             self._check_received(res)
             i = self.roster.index(res.client_id)
             step[i] = self.layout.flatten(res.state, self.device)
-            sent = base if self.calib is None else base + self.calib[i]
+            sent = self._theta(i, base)
             updated.append({"v": (sent + step[i]).cpu()})  # theta_hat_i = theta_i^{t-1} + Delta_i^t
+            if not self.cfg.aggregation:  # ablation A: the client's own adapter is its next base
+                bases = base.expand(len(self.roster), -1).clone() if self.bases is None else self.bases
+                bases[i] = sent + step[i]
+                self.bases = bases
         merged = weighted_average(updated, [float(r.num_examples) for r in results])
         assert merged is not None
         groups = self.layout.groups
@@ -210,6 +251,14 @@ class PFedSeqStrategy(FedAvgStrategy):
         out = self.layout.unflatten(merged["v"])
         return {k: v.to(state[k].dtype) for k, v in out.items()}
 
+    def personal_state(self, client_id: str, state: StateDict) -> StateDict | None:
+        """Algorithm 1's personalized adapter of ``client_id``: the final global plus its last calibration."""
+        if self.layout is None or client_id not in self.roster:
+            return None
+        base = self.layout.flatten(state, self.device)
+        theta = self.layout.unflatten(self._theta(self.roster.index(client_id), base))
+        return {k: v.to(state[k].dtype) for k, v in theta.items()}
+
     def evaluate(self, round_idx: int, state: StateDict) -> dict[str, float] | None:
         return dict(self._metrics) or None
 
@@ -227,7 +276,7 @@ class PFedSeqStrategy(FedAvgStrategy):
         return {**data, "layout": self.layout.asdict(), "history": list(self.history.steps),
                 "learners": dict(self.learners.state_dict()),
                 "adam": {"state": {str(i): dict(slot) for i, slot in opt["state"].items()}, "param_groups": groups},
-                "calib": self.calib}
+                "calib": self.calib, "bases": self.bases}
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (as :func:`training.checkpoint.load_round` returns it).
@@ -252,6 +301,7 @@ class PFedSeqStrategy(FedAvgStrategy):
         groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in data["adam"]["param_groups"]]
         self.optimizer.load_state_dict({"state": slots, "param_groups": groups})
         self.calib = None if data["calib"] is None else data["calib"].to(self.device)
+        self.bases = None if data.get("bases") is None else data["bases"].to(self.device)
 
     def summary(self) -> dict[str, Any]:
         return {"aggregation": "num_examples", "learner": self.cfg.learner, "warmup": self.cfg.warmup,
@@ -259,7 +309,10 @@ class PFedSeqStrategy(FedAvgStrategy):
 
 
 class PFedSeqClient(ClientAlgorithm):
-    """Client: train the received (calibrated) adapter, keep it as the personalized one, upload the update."""
+    """Client: train the received (calibrated) adapter, upload the update; personalize per Algorithm 1."""
+
+    def __init__(self, personalize: str = "calibrated") -> None:
+        self.personalize = personalize
 
     def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
         trained, metrics = train_global(ins, ctx)
@@ -268,6 +321,10 @@ class PFedSeqClient(ClientAlgorithm):
         return FitRes(ctx.client_id, delta, len(ctx.data.train), {**metrics, RECEIVED: checksum(ins.state)})
 
     def finalize(self, state: StateDict, ctx: ClientContext) -> None:
+        """``state`` is the server's personalized adapter for this client (global + last calibration)."""
+        if self.personalize == "calibrated":
+            ctx.private["local"] = {k: v.detach().clone() for k, v in state.items()}
+            return
         if "local" not in ctx.private:  # never sampled: personalize from the final global like FedIT-FT
             train_local(ctx, round_idx=-1, start=state, phase="finetune")
 
@@ -277,7 +334,10 @@ def _strategy(o: Mapping[str, Any]) -> PFedSeqStrategy:
 
 
 PFEDSEQ = Method(
-    name="pfedseq", strategy=_strategy, client=lambda o: PFedSeqClient(), has_local=True, inference_weight=1.0,
+    name="pfedseq", strategy=_strategy, client=lambda o: PFedSeqClient(str(o.get("personalize", "calibrated"))),
+    has_local=True, inference_weight=1.0,
     defaults={"warmup": 10, "window": 10, "learner": "ssm", "learner_lr": 1e-3, "layers": 2, "d_state": 16,
-              "expand": 2, "d_conv": 4, "chunk": 2048, "scan": "auto"},
+              "expand": 2, "d_conv": 4, "chunk": 2048, "scan": "auto", "aggregation": True, "cross_client": True,
+              "personalize": "calibrated"},
+    regime=REGIME,
 )

@@ -30,26 +30,35 @@ from training.data.records import ClientData, DataError, FederatedDataset, Recor
 BENCHMARKS = {"feddpa1": ("feddpa", "dataset1"), "feddpa2": ("feddpa", "dataset2"), "dolly": ("dolly_fed8", "dataset1")}
 
 
-def _record(raw: Any, where: str, default_task: str = "") -> Record:
+def _record(raw: Any, where: str, default_task: str = "", require_output: bool = True) -> Record:
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     for name in ("instruction", "output"):
         if name not in raw:
+            if name == "output" and not require_output:
+                continue
             raise DataError(f"{where}: missing field {name!r} (fields: {sorted(raw)})")
         if not isinstance(raw[name], str):
             raise DataError(f"{where}: field {name!r} must be a string")
     category = str(raw.get("category") or "")
     return Record(
         instruction=raw["instruction"],
-        output=raw["output"],
+        output=raw.get("output", ""),
         input=str(raw.get("input") or ""),
         task=str(raw.get("task") or category or default_task),
         category=category,
     )
 
 
-def read_records(path: Path, default_task: str = "") -> list[Record]:
-    """Read a JSON list or a JSONL file of records, naming the file and line on any error."""
+def read_records(path: Path, default_task: str = "", require_output: bool = True) -> list[Record]:
+    """Read a JSON list or a JSONL file of records, naming the file and line on any error.
+
+    Args:
+        path: the ``.json`` (a list) or ``.jsonl`` file.
+        default_task: the task of records without a ``task`` or ``category`` field.
+        require_output: refuse records without ``output``; False reads them with an empty output, so
+            the caller can say why it needs one (evaluation: the metric scores against references).
+    """
     if not path.is_file():
         raise DataError(f"{path} does not exist")
     try:
@@ -72,7 +81,7 @@ def read_records(path: Path, default_task: str = "") -> list[Record]:
         if not isinstance(data, list):
             raise DataError(f"{path} must hold a JSON list of records, got {type(data).__name__}")
         rows = [(f"{path} record {i}", r) for i, r in enumerate(data)]
-    return [_record(r, where, default_task) for where, r in rows]
+    return [_record(r, where, default_task, require_output) for where, r in rows]
 
 
 def _finish(name: str, clients: list[ClientData], tests: dict[str, list[Record]]) -> FederatedDataset:
@@ -146,7 +155,15 @@ def load_dataset(spec: str, data_dir: Path | None = None, **options: Any) -> Fed
             ``generated`` (the project's own task suite; ``options`` go to ``generate_suite``), or
             a folder in the FedDPA or the generic layout.
         data_dir: overrides the benchmark data folder.
+        **options: the loader's options; ``leave_out`` (a task, a comma-separated list or a list) drops the
+            clients of those tasks and keeps their test sets: FedOA's leave-one-task-out (paper 001 s5.1).
     """
+    held = options.pop("leave_out", None)
+    if held:
+        from training.data.partition import leave_out
+
+        tasks = held.split(",") if isinstance(held, str) else list(held)
+        return leave_out(load_dataset(spec, data_dir, **options), [t for t in tasks if t])
     if spec in BENCHMARKS:
         base = data_dir or settings.data_dir()
         if base is None:

@@ -125,3 +125,21 @@ def make_learner(kind: str, n_clients: int, window: int, *, layers: int = 2, d_s
     if kind == "mlp":
         return MLPLearner(n_clients, window, hidden)
     raise ValueError(f"unknown learner {kind!r}; learners: {list(KINDS)}")
+
+
+class OwnSequence(nn.Module):
+    """pFedSeq ablation C: a single-channel learner run on each client's update sequence alone.
+
+    ``forward(x [b, l, N]) -> [b, N]`` like every learner, but no client sees another's updates: the N
+    clients become N batch rows of one channel (the weights are shared by the clients).
+    """
+
+    def __init__(self, learner: SeqLearner) -> None:
+        super().__init__()
+        self.learner = learner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, n = x.shape
+        own = x.permute(0, 2, 1).reshape(b * n, length, 1)  # [b*N, l, 1]
+        return self.learner(own).reshape(b, n)
+

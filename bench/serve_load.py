@@ -1,0 +1,337 @@
+"""Load: N concurrent streaming HTTP clients against a real ``fedmosaic serve``, one adapter reloaded every 2 s.
+
+Builds a FedDPA-T-like run (:func:`serve_common.build_run`: global + ``--run-clients`` local adapters
+with each client's embedding index) plus versions of a runtime adapter ``hot`` (A: a copy of ``c0:local``;
+B: another random adapter),
+starts ``python -m fedmosaic.cli serve RUN`` as a subprocess (this checkout first on ``PYTHONPATH``) and
+drives it with httpx:
+
+1. reference answers: the probe prompt sent to ``hot`` (greedy) with version A loaded, then B,
+   then A again (the two must differ and A must repeat, or the check below could not see anything);
+2. idle: one client alone sends ``--idle-requests`` requests one after another (the idle TTFT);
+3. load: ``--clients`` streaming clients for ``--duration`` s, each request for one of the run's
+   ``<client>`` targets (instance-wise FedDPA weights) in turn, and every ``--probe-every``-th request of
+   each client the probe to ``hot``; meanwhile ``hot`` is reloaded every ``--reload-every`` s
+   through ``POST /v1/load_lora_adapter`` (``load_inplace``: a new version), alternately from the folders
+   of versions B and A.
+
+Wrong versions: the pool leases a request's adapter versions when it is submitted, which happens
+between sending the request and receiving the response headers. For each probe, the versions that
+could have been current in that window are known from the reload log (each reload's send and answer
+times); the probe's greedy text must equal the reference answer of one of them. A request decoded
+with a replaced version's weights (or a mixture of two versions) answers differently and is counted.
+
+Prints one JSON object: failures, wrong versions, p50/p99 time to first token (first content delta)
+and total latency under load, aggregate completion tokens/s, the idle p50 TTFT of the same server and
+the ratio (issue 14's target: 0 failures, 0 wrong versions, load p50 TTFT <= 3 x idle).
+Usage: python bench/serve_load.py [--model tiny] [--clients 64] [--duration 60] [--max-batch-size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from serve_common import build_run, median, parser, percentile, print_json, questions, random_adapter, ratio
+
+from adapters import LoraConfig, inject
+from models import load_base_model
+
+REPO = Path(__file__).resolve().parents[1]
+HOT = "hot"  # a runtime adapter (a run's own names reload only from the run's folders, #15)
+
+
+@dataclass
+class Reply:
+    """One streamed request: times relative to the run's start, the text, and what went wrong."""
+
+    target: str
+    sent: float
+    headers: float | None = None
+    first: float | None = None
+    end: float | None = None
+    text: str = ""
+    tokens: int = 0
+    error: str | None = None
+    probe: bool = False
+
+
+@dataclass
+class Reload:
+    """One ``load_lora_adapter`` call: which version's folder, when sent and answered, and its status."""
+
+    label: str
+    sent: float
+    done: float
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class Timeline:
+    """The reload log of the hot adapter, starting from ``initial`` (the label loaded before the run)."""
+
+    initial: str
+    reloads: list[Reload] = field(default_factory=list)
+
+    def allowed(self, start: float, end: float) -> set[str]:
+        """Labels that may have been current at some moment of ``[start, end]``.
+
+        Reloads run one after another. A reload becomes current at some unknown moment between its
+        send and its answer, so a window overlapping a reload allows both the old and the new label;
+        a failed reload changes nothing.
+        """
+        ok = [r for r in self.reloads if r.ok]
+        done_before = [r for r in ok if r.done <= start]
+        labels = {done_before[-1].label if done_before else self.initial}
+        labels.update(r.label for r in ok if r.sent <= end and r.done > start)
+        return labels
+
+
+@contextmanager
+def server(run: Path, args: argparse.Namespace, log: Path) -> Iterator[str]:
+    """Run ``fedmosaic serve run`` (this checkout) on a free port until the block ends; yields its URL."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "fedmosaic.cli", "serve", str(run), "--model", args.model, "--port", str(port),
+           "--max-batch-size", str(args.max_batch_size), "--max-model-len", str(args.max_model_len), "--runtime-lora"]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FEDMOSAIC_SERVE_MAX_WAITING": str(max(256, 2 * args.clients))}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not become ready:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def stream(client: httpx.AsyncClient, t0: float, target: str, text: str, max_tokens: int,
+                 probe: bool = False) -> Reply:
+    """Send one streaming chat request and read it to the end."""
+    body = {"model": target, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    reply = Reply(target, time.perf_counter() - t0, probe=probe)
+    parts: list[str] = []
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            reply.headers = time.perf_counter() - t0
+            if response.status_code != 200:
+                reply.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return reply
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    reply.error = f"in-band error: {event['error']}"
+                    continue
+                if event.get("usage"):
+                    reply.tokens = int(event["usage"]["completion_tokens"])
+                for choice in event.get("choices", []):
+                    piece = choice.get("delta", {}).get("content")
+                    if piece:
+                        if reply.first is None:
+                            reply.first = time.perf_counter() - t0
+                        parts.append(piece)
+    except httpx.HTTPError as exc:
+        reply.error = f"{type(exc).__name__}: {exc}"
+    reply.end = time.perf_counter() - t0
+    reply.text = "".join(parts)
+    if reply.error is None and reply.first is None and reply.tokens:
+        reply.error = "no content delta before the end"
+    return reply
+
+
+async def reload(client: httpx.AsyncClient, t0: float, label: str, folder: Path) -> Reload:
+    """Reload the hot adapter from ``folder`` as a new version (vLLM's ``load_inplace``)."""
+    sent = time.perf_counter() - t0
+    try:
+        r = await client.post("/v1/load_lora_adapter", json={"lora_name": HOT, "lora_path": str(folder),
+                                                             "load_inplace": True})
+        ok, message = r.status_code == 200, r.text[:200]
+    except httpx.HTTPError as exc:
+        ok, message = False, f"{type(exc).__name__}: {exc}"
+    return Reload(label, sent, time.perf_counter() - t0, ok, message)
+
+
+async def references(client: httpx.AsyncClient, t0: float, probe: str, folders: dict[str, Path],
+                     tokens: int) -> dict[str, str]:
+    """The probe's greedy answers under version A and under the ``B*`` candidate that departs from A earliest.
+
+    Loads A, every ``B*`` candidate, then A again (which must answer as before); the candidate whose
+    answer shares the shortest prefix with A's becomes ``folders["B"]`` (the earlier two versions part,
+    the more of a mixed or stale decode shows). Leaves A loaded.
+    """
+    async def answer(label: str) -> str:
+        if not (await reload(client, t0, label, folders[label])).ok:
+            raise RuntimeError(f"loading the reference version {label} failed")
+        return (await stream(client, t0, HOT, probe, tokens)).text
+
+    ref = {"A": await answer("A")}
+    candidates = {k: await answer(k) for k in sorted(k for k in folders if k.startswith("B") and k != "B")}
+    differ = {k: len(os.path.commonprefix([text, ref["A"]])) for k, text in candidates.items() if text != ref["A"]}
+    if differ:
+        best = min(differ, key=lambda k: (differ[k], k))
+        ref["B"], folders["B"] = candidates[best], folders[best]
+    again = await answer("A")
+    if "B" not in ref or again != ref["A"]:
+        raise RuntimeError(f"probe answers cannot tell the versions apart: A {ref['A']!r} then {again!r}, {ref}")
+    return ref
+
+
+async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: str, folders: dict[str, Path]) -> dict:
+    """References, idle requests, then the load with reloads; returns the figures."""
+    a = args  # short: used on most lines below
+    limits = httpx.Limits(max_connections=a.clients + 8, max_keepalive_connections=a.clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        ref = await references(client, t0, probe, folders, a.probe_tokens)
+        targets = [f"c{c}" for c in range(a.run_clients)]
+        idle = [await stream(client, t0, targets[i % len(targets)], texts[i % len(texts)], a.max_tokens)
+                for i in range(a.idle_requests)]
+        timeline = Timeline("A")
+        replies: list[Reply] = []
+        start = time.perf_counter() - t0
+        stop = start + a.duration
+
+        async def user(u: int) -> None:
+            n = 0
+            while time.perf_counter() - t0 < stop:
+                n += 1
+                if n % a.probe_every == 0:
+                    replies.append(await stream(client, t0, HOT, probe, a.probe_tokens, probe=True))
+                else:
+                    k = u + n
+                    replies.append(await stream(client, t0, targets[k % len(targets)], texts[k % len(texts)],
+                                                a.max_tokens))
+
+        async def reloader() -> None:
+            i = 0
+            while time.perf_counter() - t0 < stop:
+                await asyncio.sleep(a.reload_every)
+                label = "B" if i % 2 == 0 else "A"
+                timeline.reloads.append(await reload(client, t0, label, folders[label]))
+                i += 1
+
+        await asyncio.gather(reloader(), *(user(u) for u in range(a.clients)))
+        wall = max(r.end or 0.0 for r in replies) - start
+    return {"refs": ref, "idle": idle, "replies": replies, "timeline": timeline, "wall": wall}
+
+
+def figures(out: dict) -> dict[str, object]:
+    """The JSON figures of one scenario."""
+    replies: list[Reply] = out["replies"]
+    timeline: Timeline = out["timeline"]
+    ok = [r for r in replies if r.error is None]
+    wrong = []
+    for r in ok:
+        if not r.probe:
+            continue
+        allowed = timeline.allowed(r.sent, r.headers if r.headers is not None else r.end or r.sent)
+        if r.text not in {out["refs"][label] for label in allowed}:
+            seen = [label for label, text in out["refs"].items() if text == r.text]
+            wrong.append({"sent_s": round(r.sent, 3), "allowed": sorted(allowed), "matches": seen, "text": r.text})
+    ttft = [r.first - r.sent for r in ok if r.first is not None]
+    latency = [r.end - r.sent for r in ok if r.end is not None]
+    idle_ttft = [r.first - r.sent for r in out["idle"] if r.error is None and r.first is not None]
+    reload_ms = [1e3 * (x.done - x.sent) for x in timeline.reloads]
+    ms = 1e3
+    p50 = percentile(ttft, 50)
+    idle_p50 = median(idle_ttft) if idle_ttft else None
+    return {
+        "requests": len(replies), "completed": len(ok), "failures": len(replies) - len(ok),
+        "failure_examples": sorted({r.error for r in replies if r.error})[:5],
+        "probes_checked": sum(r.probe for r in ok), "wrong_versions": len(wrong), "wrong_examples": wrong[:5],
+        "reloads": len(timeline.reloads), "reload_failures": sum(not x.ok for x in timeline.reloads),
+        "reload_ms_median": round(median(reload_ms), 1) if reload_ms else None,
+        "ttft_ms": {"p50": round(ms * p50, 1) if p50 is not None else None,
+                    "p99": round(ms * (percentile(ttft, 99) or 0), 1)},
+        "latency_ms": {"p50": round(ms * (percentile(latency, 50) or 0), 1),
+                       "p99": round(ms * (percentile(latency, 99) or 0), 1)},
+        "completion_tokens_per_s": round(sum(r.tokens for r in ok) / out["wall"], 1) if out["wall"] > 0 else None,
+        "idle_ttft_ms_p50": round(ms * idle_p50, 1) if idle_p50 is not None else None,
+        "idle_latency_ms_p50": round(ms * median([r.end - r.sent for r in out["idle"] if r.end]), 1),
+        "ratio_ttft_load_to_idle": ratio(p50, idle_p50),
+        "probe_answers": out["refs"],
+    }
+
+
+def prepare(args: argparse.Namespace, root: Path) -> tuple[Path, dict[str, Path], list[str], str, str]:
+    """Write the run and the versions of the hot adapter; returns (run, folders, questions, probe, dtype)."""
+    loaded = load_base_model(args.model, dtype=args.dtype)
+    run = build_run(loaded, root, clients=args.run_clients)
+    folders = {"A": run / "versions" / "A"}  # inside the run: the server's adapter root
+    shutil.copytree(run / "adapters" / "clients" / "c0" / "local", folders["A"])
+    adapted = inject(loaded.model)
+    try:  # candidates for version B, weakest first: the first whose probe answer differs from A's is used
+        for i, scale in enumerate((0.05, 0.2, 1.0, 4.0)):
+            folders[f"B{i}"] = run / "versions" / f"B{i}"
+            random_adapter(adapted, f"b{i}", LoraConfig(r=8, alpha=16.0, dropout=0.0), 999, folders[f"B{i}"], scale)
+    finally:
+        adapted.remove()
+    return run, folders, questions(12), "Name three colours, one per line.", loaded.dtype
+
+
+def main() -> None:
+    """Prepare the run, start the server, run the scenario, print the JSON figures."""
+    p = parser(__doc__, model="smollm2", rounds=1)
+    p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    p.add_argument("--run-clients", type=int, default=8, help="FedDPA clients in the served run")
+    p.add_argument("--max-batch-size", type=int, default=64, help="the server's KV slots (fedmosaic serve's option)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the load's requests")
+    p.add_argument("--probe-tokens", type=int, default=12, help="max_tokens of the version probes")
+    p.add_argument("--probe-every", type=int, default=4, help="every k-th request of a client is a probe")
+    p.add_argument("--reload-every", type=float, default=2.0, help="seconds between reloads of the hot adapter")
+    p.add_argument("--idle-requests", type=int, default=8)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run, folders, texts, probe, dtype = prepare(args, Path(tmp))
+        with server(run, args, Path(tmp) / "server.log") as url:
+            out = asyncio.run(scenario(url, args, texts, probe, folders))
+    print_json({"model": args.model, "dtype": dtype,
+                "clients": args.clients, "duration_s": args.duration, "server_max_batch_size": args.max_batch_size,
+                "max_tokens": args.max_tokens, "run_clients": args.run_clients, "reload_every_s": args.reload_every,
+                **figures(out)})
+
+
+if __name__ == "__main__":
+    main()
