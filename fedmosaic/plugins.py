@@ -50,6 +50,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "OpenAI-compatible server for the base model and its adapters"),
     Subcommand("batch", "serving.cli", "add_batch_arguments", "run_batch", ("serve",),
                "answer an OpenAI batch file offline"),
+    Subcommand("calibrate", "fedmosaic.calibrate_cli", "add_calibrate_arguments", "run_calibrate", ("train",),
+               "(re)build the calibrated FedDPA weighting of a trained run"),
     Subcommand("data", "fedmosaic.data_cli", "add_data_arguments", "run_data", ("train",),
                "list the data sets training can load, show a few examples"),
     Subcommand("quickstart", "fedmosaic.quickstart", "add_quickstart_arguments", "run_quickstart", ("train", "serve"),

@@ -21,6 +21,7 @@ import numpy as np
 from adapters import AdapterError
 from adapters.rundir import check_client_id
 from routing.base import RoutingError
+from routing.calibration import CALIBRATION_FILE, Calibration, fingerprint
 
 STEM = "embeddings"
 
@@ -52,9 +53,12 @@ class EmbeddingIndex:
     Attributes:
         raw: (N, H) the vectors as given.
         unit: (N, H) L2-normalised copies (what every cosine uses).
+        calibration: the client's calibration of the centred score (``routing.calibration``), if any.
+        centred: (N, H) unit vectors of ``raw - calibration.center`` (None without a calibration).
     """
 
-    def __init__(self, vectors: np.ndarray, use_faiss: bool = True, _index: Any = None) -> None:
+    def __init__(self, vectors: np.ndarray, use_faiss: bool = True, _index: Any = None,
+                 calibration: Calibration | None = None) -> None:
         vectors = np.asarray(vectors)
         if vectors.ndim != 2 or vectors.shape[0] == 0 or vectors.shape[1] == 0:
             raise RoutingError(f"an embedding index needs a non-empty (N, H) array, got shape {vectors.shape}")
@@ -62,6 +66,10 @@ class EmbeddingIndex:
             raise RoutingError("embeddings contain NaN or inf")
         self.raw = np.ascontiguousarray(vectors, dtype=np.float32)
         self.unit = np.ascontiguousarray(_normalise(self.raw))
+        self.calibration: Calibration | None = None
+        self.centred: np.ndarray | None = None
+        if calibration is not None:
+            self.set_calibration(calibration)
         self._faiss: Any = None
         faiss = _faiss() if use_faiss else None
         if faiss is not None:
@@ -81,6 +89,18 @@ class EmbeddingIndex:
     def uses_faiss(self) -> bool:
         """True when searches run through faiss, False for the numpy fallback."""
         return self._faiss is not None
+
+    def set_calibration(self, calibration: Calibration) -> None:
+        """Attach ``calibration`` (and precompute the centred vectors once, not per request).
+
+        Raises:
+            RoutingError: the calibration was computed from other vectors (a stale file).
+        """
+        if calibration.fingerprint != fingerprint(self.raw) or calibration.center.shape != (self.dim,):
+            raise RoutingError("the FedDPA calibration does not match this index's vectors (built from another "
+                               "index); rebuild it with `fedmosaic calibrate RUN_DIR`")
+        self.centred = np.ascontiguousarray(calibration.centred(self.raw))
+        self.calibration = calibration
 
     def _query(self, query: np.ndarray) -> np.ndarray:
         q = np.atleast_2d(np.asarray(query, dtype=np.float32))
@@ -120,17 +140,21 @@ class EmbeddingIndex:
         return generator.choice(len(self), size=min(s, len(self)), replace=False)
 
     def save(self, folder: Path, stem: str = STEM) -> None:
-        """Write ``<stem>.npy`` (raw vectors) and, with faiss, ``<stem>.faiss``."""
+        """Write ``<stem>.npy`` (raw vectors), with faiss ``<stem>.faiss``, and the calibration if any."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         np.save(folder / f"{stem}.npy", self.raw)
+        if stem == STEM and self.calibration is not None:
+            self.calibration.save(folder)
+        elif stem == STEM:  # a calibration left from earlier vectors would no longer match them
+            (folder / CALIBRATION_FILE).unlink(missing_ok=True)
         faiss = _faiss() if self._faiss is not None else None
         if faiss is not None:
             faiss.write_index(self._faiss, str(folder / f"{stem}.faiss"))
 
     @classmethod
     def load(cls, folder: Path, stem: str = STEM, use_faiss: bool = True) -> EmbeddingIndex:
-        """Read ``<stem>.npy`` and, when present and faiss is importable, ``<stem>.faiss``.
+        """Read ``<stem>.npy``, ``<stem>.faiss`` (when present and faiss is importable) and the calibration.
 
         A faiss file that disagrees with the vectors (another size or width: files of two different
         builds) raises rather than answering searches over stale vectors.
@@ -150,7 +174,8 @@ class EmbeddingIndex:
                     f"{index_path} holds {index.ntotal} x {index.d} vectors but {path} has shape {raw.shape}; "
                     "rebuild the index"
                 )
-        return cls(raw, use_faiss=use_faiss, _index=index)
+        calibration = Calibration.load(folder) if stem == STEM else None
+        return cls(raw, use_faiss=use_faiss, _index=index, calibration=calibration)
 
 
 class IndexCache:
@@ -192,7 +217,7 @@ class IndexCache:
         # a symlinked client folder pointing elsewhere (another client's) is refused as well
         if folder.exists() and folder.resolve() != self.root.resolve() / client:
             raise RoutingError(f"client folder {folder} resolves outside {self.root}")
-        for path in (folder / f"{self.stem}.npy", folder / f"{self.stem}.faiss"):
+        for path in (folder / f"{self.stem}.npy", folder / f"{self.stem}.faiss", folder / CALIBRATION_FILE):
             if path.exists() and path.resolve().parent != folder.resolve():
                 raise RoutingError(f"{path} resolves outside the folder of client {client!r}")
         return folder

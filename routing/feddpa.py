@@ -9,6 +9,12 @@ adapter on) and S of its client's local instances ``w_{x_i}``:
 The instances come from the client's cached :class:`~routing.cache.EmbeddingIndex`: ``random`` draws S
 of them afresh for each request (the paper's estimator), ``knn`` takes the S nearest (deterministic).
 
+``weighting="paper"`` is that rule. ``weighting="calibrated"`` (:mod:`routing.calibration`) scores the
+prompt by its centred similarity to the client's instances and maps it with the client's stored
+calibration, so a prompt typical of the client's data gets ``lambda`` and an unrelated one 0; S and
+the sampling mode do not apply to it. A client without a calibration is weighted by the paper's rule
+(the decision's ``info`` says so).
+
 The reference code (METHODS.md section 2.4 and section 6 item 4) differs: it embeds with the LOCAL
 adapter, does not clip the cosine, and gives ``a`` to the GLOBAL adapter. ``variant="reference"``
 reproduces the weight assignment ``(a, 1 - a)``; which adapter is on while embedding is the caller's
@@ -32,9 +38,15 @@ import torch
 
 from routing.base import GLOBAL, RoutingDecision, RoutingError, local_name
 from routing.cache import EmbeddingIndex
+from routing.calibration import scores
 
 Mode = Literal["random", "knn"]
 Variant = Literal["paper", "reference"]
+Weighting = Literal["paper", "calibrated"]
+WEIGHTINGS: tuple[str, ...] = ("paper", "calibrated")
+# The instance-wise rule served and evaluated by default: calibrated separates a client's own task from
+# the others where the paper's rule does not (README, "Instance-wise weighting", measured figures).
+DEFAULT_WEIGHTING: Weighting = "calibrated"
 Similarity = Literal["cosine", "neg_l2", "pearson"]
 
 
@@ -61,6 +73,8 @@ class FedDPARouter:
         clip: clip ``a`` to [0, 1] (the paper's score range); False keeps the raw value (reference code).
         seed: seed of the sampling generator (None: fresh OS entropy); ``random`` mode only.
         variant: ``paper`` gives ``a`` to the local adapter, ``reference`` to the global one.
+        weighting: ``paper`` (``lambda * mean cosine``) or ``calibrated`` (centred score mapped by the
+            client's calibration; ``routing.calibration``).
         similarity: ``cosine`` (paper), ``neg_l2`` or ``pearson`` (paper 000 Table 9's ablation).
     """
 
@@ -70,6 +84,7 @@ class FedDPARouter:
     clip: bool = True
     seed: int | None = None
     variant: Variant = "paper"
+    weighting: Weighting = "paper"
     similarity: Similarity = "cosine"
     _rng: np.random.Generator = field(init=False, repr=False)
     # np.random.Generator is not thread-safe and the HTTP server routes from several threads
@@ -85,6 +100,8 @@ class FedDPARouter:
             raise RoutingError(f"FedDPA mode must be 'random' or 'knn', got {self.mode!r}")
         if self.variant not in ("paper", "reference"):
             raise RoutingError(f"FedDPA variant must be 'paper' or 'reference', got {self.variant!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise RoutingError(f"FedDPA weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.similarity not in ("cosine", "neg_l2", "pearson"):
             raise RoutingError(f"FedDPA similarity must be cosine, neg_l2 or pearson, got {self.similarity!r}")
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
@@ -105,8 +122,9 @@ class FedDPARouter:
         Returns:
             Weights ``(1 - a, a)`` over (``global``, ``<client>:local``) (``(a, 1 - a)`` for the
             reference variant);
-            info holds ``mode``, ``S``, ``S_requested``, ``mean_similarity``, ``lambda``, ``a``,
-            ``variant`` and, when the index was smaller than S, a ``note``.
+            info holds ``weighting``, ``mode``, ``S``, ``S_requested``, ``mean_similarity``, ``lambda``,
+            ``a``, ``variant`` and, when the index was smaller than S, a ``note``; a calibrated decision
+            holds ``weighting``, ``statistic``, ``score``, ``own``, ``background``, ``lambda``, ``a``, ``variant``.
 
         Raises:
             RoutingError: a representation of the wrong width or with NaN/inf.
@@ -117,6 +135,8 @@ class FedDPARouter:
             q = q[0]
         if q.ndim != 1:
             raise RoutingError(f"FedDPA routes one request: representation must be (H,) or (1, H), got {q.shape}")
+        if self.weighting == "calibrated" and index.calibration is not None:
+            return self._calibrated(q, index, client)
         s = min(self.S, len(index))
         if self.mode == "knn":
             found = index.search(q, s)
@@ -137,11 +157,28 @@ class FedDPARouter:
         a_to_local = self.variant == "paper"
         weights = torch.tensor([1.0 - a, a] if a_to_local else [a, 1.0 - a], dtype=torch.float64)
         info: dict[str, object] = {
-            "mode": self.mode, "S": s, "S_requested": self.S, "mean_similarity": mean,
+            "weighting": "paper", "mode": self.mode, "S": s, "S_requested": self.S, "mean_similarity": mean,
             "lambda": float(self.lambda_), "a": a, "variant": self.variant,
         }
         if self.similarity != "cosine":
             info["similarity"] = self.similarity
         if s < self.S:
             info["note"] = f"S={self.S} exceeds the {len(index)} stored instances; used all {len(index)}"
+        if self.weighting == "calibrated":
+            info["note"] = f"client {client!r} has no calibration (`fedmosaic calibrate RUN_DIR`): the paper's rule"
+        return RoutingDecision((GLOBAL, local_name(client)), weights, info)
+
+    def _calibrated(self, q: np.ndarray, index: EmbeddingIndex, client: str) -> RoutingDecision:
+        """The calibrated decision: centred score of ``q`` against the client's instances, mapped to ``a``."""
+        cal = index.calibration
+        assert cal is not None and index.centred is not None
+        if q.shape != (index.dim,) or not np.isfinite(q).all():
+            raise RoutingError(f"representation must be a finite ({index.dim},) vector, got shape {q.shape}")
+        score = float(scores(cal.centred(q)[None, :], index.centred, cal.statistic, cal.k)[0])
+        a = cal.weight(score, self.lambda_)
+        if self.clip:
+            a = min(max(a, 0.0), 1.0)
+        weights = torch.tensor([1.0 - a, a] if self.variant == "paper" else [a, 1.0 - a], dtype=torch.float64)
+        info = {"weighting": "calibrated", "statistic": cal.statistic, "score": score, "own": cal.own,
+                "background": cal.background, "lambda": float(self.lambda_), "a": a, "variant": self.variant}
         return RoutingDecision((GLOBAL, local_name(client)), weights, info)

@@ -36,7 +36,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="runtime-loaded adapters must lie inside it (default: the run directory)")
     p.add_argument("--feddpa-routing", choices=["instance", "fixed"], default=None,
                    help="<client> targets: instance-wise weights from the run's embeddings (default), or its fixed "
-                        "weight")
+                        "weight (older spelling of --feddpa-weighting)")
+    p.add_argument("--feddpa-weighting", choices=["paper", "calibrated", "fixed"], default=None,
+                   help="<client> weighting: calibrated (default; README, 'Instance-wise weighting'), paper "
+                        "(lambda * mean cosine) or fixed (the run's alpha); env FEDMOSAIC_SERVE_FEDDPA_WEIGHTING")
 
 
 def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
@@ -87,7 +90,8 @@ def _timeout(text: str) -> float | object:
 _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype", "device": "device",
             "max_loras": "max_loras", "max_batch_size": "max_batch_size", "max_model_len": "max_model_len",
             "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
-            "feddpa_routing": "feddpa_routing", "host": "host", "port": "port", "api_key": "api_keys",
+            "feddpa_routing": "feddpa_routing", "feddpa_weighting": "feddpa_weighting", "host": "host",
+            "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
             "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",

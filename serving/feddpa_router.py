@@ -4,7 +4,8 @@ Paper 000 section 4.3: the request's final-layer last-token state (captured by t
 prefill it runs anyway, with the global adapter on) is compared with S of the client's cached
 local-instance embeddings (``routing.cache``, a faiss index per client written at the end of
 training); ``a = lambda * mean cosine``, clipped to [0, 1], weights ``<client>:local`` and ``1 - a``
-the global adapter. Only the requested client's index is ever read.
+the global adapter. The ``calibrated`` rule (``routing.calibration``) maps the centred similarity with
+the client's calibration stored beside its index instead. Only the requested client's files are read.
 
 In ``random`` mode with a seed, the S instances of a request are drawn from a generator seeded by
 (seed, client, the prompt's state): still a uniform draw per request, but the same prompt draws the
@@ -48,9 +49,14 @@ class InstanceWeightRouter:
 
     @classmethod
     def for_run(cls, run_dir: Path, lambda_: float, S: int = 5, mode: str = "random", seed: int | None = 0,
-                version: int = 0, version_of: Callable[[str], int | None] | None = None) -> InstanceWeightRouter:
-        """Build from a run directory's ``adapters/clients/<id>/embeddings.*`` files."""
-        return cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed),  # type: ignore[arg-type]
+                version: int = 0, version_of: Callable[[str], int | None] | None = None,
+                weighting: str = "paper") -> InstanceWeightRouter:
+        """Build from a run directory's ``adapters/clients/<id>/embeddings.*`` files.
+
+        ``weighting`` is ``paper`` or ``calibrated`` (``routing.calibration``; needs each client's
+        ``embeddings.calibration.json``, else that client is weighted by the paper's rule).
+        """
+        return cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed, weighting=weighting),  # type: ignore[arg-type]
                    IndexCache.for_run(run_dir), version, version_of)
 
     def cache_key(self, client: str) -> str:

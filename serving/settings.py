@@ -65,11 +65,26 @@ class ServeSettings(BaseSettings):
         "instance", pattern="^(instance|fixed)$",
         description="<client> targets: instance-wise weights from the run's embeddings, or fixed",
     )
+    feddpa_weighting: str | None = Field(
+        None, pattern="^(paper|calibrated|fixed)$",
+        description="<client> weighting: calibrated (default), paper (lambda * mean cosine) or fixed (the run's "
+                    "alpha); null follows feddpa_routing (instance: calibrated)",
+    )
     feddpa_samples: int = Field(5, ge=1, description="S, local instances compared per request")
     feddpa_mode: str = Field("random", pattern="^(random|knn)$", description="random S (paper) or the S nearest")
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+
+    def feddpa_plan(self) -> tuple[str, str]:
+        """``(routing, rule)`` for the stack: ``feddpa_weighting`` wins over the older ``feddpa_routing``."""
+        from routing.feddpa import DEFAULT_WEIGHTING
+
+        if self.feddpa_weighting is None:
+            return self.feddpa_routing, DEFAULT_WEIGHTING
+        if self.feddpa_weighting == "fixed":
+            return "fixed", DEFAULT_WEIGHTING
+        return "instance", self.feddpa_weighting
 
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod

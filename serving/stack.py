@@ -25,6 +25,7 @@ from typing import Any, Literal
 from adapters import AdaptedModel, inject
 from models import LoadedModel, load_base_model
 from routing.base import local_name
+from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS
 from serving.adapter_pool import AdapterPool, Lease, RunInfo
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
@@ -52,6 +53,8 @@ class StackConfig:
         engine: batch and length limits of the engine.
         feddpa_routing: ``<client>`` targets use instance-wise weights from the run's embeddings
             (``instance``; needs ``embeddings.npy``) or the run's fixed ``inference_weight``.
+        feddpa_weighting: the instance-wise rule: ``paper`` (``lambda * mean cosine``) or ``calibrated``
+            (``routing.calibration``, the default).
         feddpa_samples: S, local instances compared per request.
         feddpa_mode: ``random`` S (paper) or the S nearest (``knn``).
         default_alpha: the fixed local weight when the run records none.
@@ -69,6 +72,7 @@ class StackConfig:
     max_loras: int = 16
     engine: EngineConfig = EngineConfig()
     feddpa_routing: Literal["instance", "fixed"] = "instance"
+    feddpa_weighting: Literal["paper", "calibrated"] = DEFAULT_WEIGHTING
     feddpa_samples: int = 5
     feddpa_mode: Literal["random", "knn"] = "random"
     default_alpha: float = 0.5
@@ -77,6 +81,8 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.feddpa_routing not in ("instance", "fixed"):
             raise ValueError(f"feddpa_routing must be 'instance' or 'fixed', got {self.feddpa_routing!r}")
+        if self.feddpa_weighting not in WEIGHTINGS:
+            raise ValueError(f"feddpa_weighting must be one of {WEIGHTINGS}, got {self.feddpa_weighting!r}")
         bad = [s for s in self.adapters if "=" not in s or not s.partition("=")[0] or not s.partition("=")[2]]
         if bad:
             raise ValueError(f"adapters must be given as name=folder, got {bad}")
@@ -268,16 +274,28 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
         from serving.feddpa_router import InstanceWeightRouter
 
         router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, S=config.feddpa_samples,
-                                              mode=config.feddpa_mode,
+                                              mode=config.feddpa_mode, weighting=config.feddpa_weighting,
                                               version_of=lambda client: pool.version(local_name(client)))
         routing = "instance"
+        if config.feddpa_weighting == "calibrated" and not _has_calibration(run):
+            logger.warning("run %s has no FedDPA calibration: <client> targets use the paper's rule; "
+                           "`fedmosaic calibrate %s` adds it", run.root, run.root)
     if run is not None and config.feddpa_routing == "instance" and routing == "fixed" and run.global_name:
         logger.info("run %s has no embedding index: <client> targets use the fixed weight %.3f", run.root, alpha)
     resolver = TargetResolver(config.base_name, pool, router, alpha)
     info = {"alpha": alpha, "routing": routing, "feddpa_samples": config.feddpa_samples,
             "feddpa_mode": config.feddpa_mode}
+    if routing == "instance":
+        info["feddpa_weighting"] = config.feddpa_weighting
     return ServingStack(config, loaded, adapted, engine, pool, resolver, run, routing, info)
 
 
 def _has_embeddings(run: RunInfo) -> bool:
     return any(c.embeddings_npy is not None for c in run.clients.values())
+
+
+def _has_calibration(run: RunInfo) -> bool:
+    from routing.calibration import CALIBRATION_FILE
+
+    return any((Path(c.embeddings_npy).parent / CALIBRATION_FILE).is_file()
+               for c in run.clients.values() if c.embeddings_npy is not None)

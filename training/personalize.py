@@ -4,8 +4,10 @@ After the last round each client runs its method's ``finalize`` (FedLoRA / FedDP
 the final global adapter; pFedSeq's never-sampled clients do the same). For methods with FedDPA's
 instance-wise weighting (paper 000, section 4.3) the client then embeds its own training prompts with
 the final global adapter on (final-layer last-token states) and keeps them as a faiss index beside its
-adapter, for the serving router. The simulator runs this for every client in-process, a Flower node for
-its own client, where the instances live.
+adapter, for the serving router, with the calibration of its weighting (``routing.calibration``: the
+instances against each other and against public background prompts, embedded with the same adapter).
+The simulator runs this for every client in-process, a Flower node for its own client, where the
+instances live (the Flower server then gathers every ``embeddings.*`` file).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
+from routing.background import BACKGROUND_PROMPTS, background_id
 from routing.cache import EmbeddingIndex
+from routing.calibration import calibrate
 from routing.embedding import embed_prompts
 from training import durable
-from training.data import ClientData, PromptConfig, prompt_texts
+from training.data import ClientData, PromptConfig, Record, prompt_texts
 from training.protocol import ClientAlgorithm, ClientContext, Method, StateDict
 from training.runtime import Runtime
 
@@ -43,14 +48,28 @@ def save_instance_index(rt: Runtime, client: ClientData, folder: Path) -> None:
     """Embed ``client``'s training instances with the runtime's ``global`` adapter on; save the index in ``folder``.
 
     The prompts are formatted exactly as training formatted them, so serving's request embedding (same
-    template, same adapter) is comparable. The index files are written durably (:mod:`training.durable`).
+    template, same adapter) is comparable. The index is saved with its calibration, its files written
+    durably (:mod:`training.durable`).
     """
     prompts = prompt_texts(client.train, rt.tokenizer, PromptConfig(rt.train.prompt_style))  # type: ignore[arg-type]
     vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
+    generic = background_prompts(rt.tokenizer, rt.train.prompt_style)
+    background = embed_prompts(rt.model, rt.adapted, rt.tokenizer, generic, ("global",), autocast=rt.loaded.autocast)
+    calibration = calibrate(vecs, background, background_id=background_id())
     staging = Path(tempfile.mkdtemp(prefix=durable.TMP_PREFIX))
     try:
-        EmbeddingIndex(vecs).save(staging)
+        EmbeddingIndex(vecs, calibration=calibration).save(staging)
         for f in sorted(staging.iterdir()):
             durable.write_file(Path(folder) / f.name, lambda tmp, src=f: shutil.copyfile(src, tmp))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def background_prompts(tokenizer: Any, style: str) -> list[str]:
+    """The public background prompts (``routing.background``) in the run's prompt template.
+
+    Used where a calibration is computed: here at the end of training, and by ``fedmosaic calibrate``
+    for runs trained before calibrations existed.
+    """
+    records = [Record(instruction=text, output="") for text in BACKGROUND_PROMPTS]
+    return prompt_texts(records, tokenizer, PromptConfig(style))  # type: ignore[arg-type]

@@ -35,6 +35,9 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--feddpa-weights", choices=WEIGHTING, default="auto",
                    help="<client> weighting: auto = instance-wise for FedDPA runs with embeddings (paper), "
                         "else the run's fixed inference weight")
+    p.add_argument("--feddpa-weighting", choices=["paper", "calibrated", "fixed"], default=None,
+                   help="instance-wise rule of FedDPA runs: calibrated (default), paper (lambda * mean cosine) "
+                        "or fixed; calibrated needs `fedmosaic calibrate` on runs trained before it existed")
     p.add_argument("--feddpa-samples", type=int, default=5, help="S, local instances per example (instance-wise)")
     p.add_argument("--feddpa-mode", choices=["random", "knn"], default="random",
                    help="random S instances (paper) or the S nearest")
@@ -60,7 +63,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
                        batch_size=args.batch_size, metric=args.metric, data=args.data, test=args.test, model=args.model,
                        per_round=args.per_round, dtype=args.dtype, device=args.device,
-                       feddpa_weights=args.feddpa_weights,
+                       feddpa_weights=args.feddpa_weights, feddpa_weighting=args.feddpa_weighting,
                        feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode)
     for d in args.run_dirs:
         print(evaluate_run(d, opts)["markdown"])

@@ -56,6 +56,8 @@ class EvalOptions:
         device: where the model runs (``auto``, ``cpu``, ``cuda[:N]``; None: ``FEDMOSAIC_DEVICE``).
         feddpa_weights: ``<client>`` weighting: ``auto`` (instance-wise for FedDPA runs with an
             embedding index, fixed otherwise), ``instance`` or ``fixed`` (the run's inference weight).
+        feddpa_weighting: the instance-wise rule: ``paper``, ``calibrated`` or ``fixed`` (= ``feddpa_weights``
+            ``fixed``); None: ``feddpa_weights`` decides, with the default rule (calibrated).
         feddpa_samples: S, local instances compared per example (instance-wise).
         feddpa_mode: ``random`` S instances (paper) or the S nearest (``knn``, order-independent).
     """
@@ -72,6 +74,7 @@ class EvalOptions:
     dtype: str | None = None
     device: str | None = None
     feddpa_weights: str = "auto"
+    feddpa_weighting: str | None = None
     feddpa_samples: int = 5
     feddpa_mode: str = "random"
 
@@ -82,6 +85,12 @@ class EvalOptions:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.feddpa_weights not in WEIGHTING:
             raise ValueError(f"feddpa_weights must be one of {WEIGHTING}, got {self.feddpa_weights!r}")
+        if self.feddpa_weighting not in (None, "paper", "calibrated", "fixed"):
+            raise ValueError(f"feddpa_weighting must be paper, calibrated or fixed, got {self.feddpa_weighting!r}")
+        if self.feddpa_weighting is not None and self.feddpa_weights != "auto" and \
+                (self.feddpa_weighting == "fixed") != (self.feddpa_weights == "fixed"):
+            raise ValueError(f"feddpa_weights={self.feddpa_weights!r} contradicts "
+                             f"feddpa_weighting={self.feddpa_weighting!r}")
         if self.feddpa_mode not in ("random", "knn"):
             raise ValueError(f"feddpa_mode must be 'random' or 'knn', got {self.feddpa_mode!r}")
         for name in ("max_new_tokens", "num_beams", "batch_size", "feddpa_samples"):
@@ -135,7 +144,7 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, device=opts.device,
                                max_new_tokens=opts.max_new_tokens,
                                num_beams=opts.num_beams, batch_size=opts.batch_size, weighting=opts.feddpa_weights,
-                               samples=opts.feddpa_samples, mode=opts.feddpa_mode)
+                               samples=opts.feddpa_samples, mode=opts.feddpa_mode, rule=opts.feddpa_weighting)
     targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)
     clients = [c for c in dataset.client_ids if c in targets]
     if not clients:  # a backend that serves neither a client nor the global model: nothing personalised

@@ -20,6 +20,7 @@ targets and weights).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,15 @@ from typing import Any
 from adapters.rundir import RunDir
 from fedmosaic.evaluation.backend import WEIGHTING, EvalItem
 from fedmosaic.evaluation.predictions import Prediction
+from routing.calibration import CALIBRATION_FILE
+from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS
 from serving.engine import EngineConfig
 from serving.generation import GenerationConfig, generate_target
 from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 from training.algorithms import ALGORITHMS
+
+logger = logging.getLogger(__name__)
 
 # No length cap beyond the model's own: evaluation prompts are bounded by the data set.
 _NO_LIMIT = 1 << 20
@@ -155,14 +160,39 @@ def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
 
 def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, dtype: str | None = None,
                  device: str | None = None, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8,
-                 weighting: str = "auto", samples: int = 5, mode: str = "random") -> StackBackend:
-    """Build the serving stack over ``run`` and wrap it for evaluation."""
+                 weighting: str = "auto", samples: int = 5, mode: str = "random", rule: str | None = None
+                 ) -> StackBackend:
+    """Build the serving stack over ``run`` and wrap it for evaluation.
+
+    ``rule`` (``--feddpa-weighting``): ``paper`` or ``calibrated`` ask for instance-wise weights with
+    that rule, ``fixed`` for the fixed weight; None leaves ``weighting`` to decide, with the default rule.
+
+    Raises:
+        ValueError: ``calibrated`` asked for but a client's calibration file is missing (with no rule
+            given, such a run is evaluated with the paper's rule).
+    """
+    if rule == "fixed":
+        weighting = "fixed"
+    elif rule is not None and weighting == "auto":
+        weighting = "instance"
     routing = feddpa_routing(cfg, run, weighting)
+    chosen = rule if rule in WEIGHTINGS else DEFAULT_WEIGHTING
+    missing = [c for c in run.clients()
+               if run.embeddings(c).is_file() and not (run.client_dir(c) / CALIBRATION_FILE).is_file()]
+    if routing == "instance" and chosen == "calibrated" and missing:
+        if rule is None:  # the default on a run trained before calibrations: the paper's rule, said so
+            logger.warning("%s has no FedDPA calibration: evaluating with the paper's rule "
+                           "(`fedmosaic calibrate %s` adds it)", run.root, run.root)
+            chosen = "paper"
+        else:
+            raise ValueError(f"calibrated FedDPA weights need each client's {CALIBRATION_FILE}; clients "
+                             f"{missing} of {run.root} have none: run `fedmosaic calibrate {run.root}` "
+                             "(or --feddpa-weighting paper)")
     config = StackConfig(
         model=model or cfg.get("model", "smollm2"), dtype=dtype, device=device, run_dir=run.root,
         max_loras=len(run.clients()) + 4,
         engine=EngineConfig(max_batch_size=batch_size, max_model_len=_NO_LIMIT, max_waiting=max(64, 4 * batch_size)),
-        feddpa_routing=routing, feddpa_samples=samples, feddpa_mode=mode,  # type: ignore[arg-type]
+        feddpa_routing=routing, feddpa_weighting=chosen, feddpa_samples=samples, feddpa_mode=mode,  # type: ignore[arg-type]
         check_base=False)
     stack = build_stack(config)
     if routing == "instance" and stack.routing != "instance":

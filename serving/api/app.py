@@ -33,13 +33,15 @@ logger = logging.getLogger(__name__)
 def stack_config(settings: ServeSettings) -> StackConfig:
     """The stack configuration of the server's settings."""
     s = settings
+    routing, weighting = s.feddpa_plan()
     return StackConfig(
         model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
         adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
         max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
                                                    request_timeout_s=s.request_timeout_s),
-        feddpa_routing=s.feddpa_routing, feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]
+        feddpa_routing=routing, feddpa_weighting=weighting,  # type: ignore[arg-type]
+        feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]
         default_alpha=s.default_alpha, check_base=s.check_base)
 
 

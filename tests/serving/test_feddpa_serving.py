@@ -28,6 +28,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def serve(run_dir: Path, routing: str, **settings: object) -> TestClient:
+    settings.setdefault("feddpa_weighting", None if routing == "fixed" else "paper")  # the paper rule's tests
     return TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, feddpa_routing=routing,
                                                **settings)))  # type: ignore[arg-type]
 
@@ -55,6 +56,22 @@ def test_instance_weights_follow_the_paper_rule(run_dir: Path) -> None:
             "model": "capitals", "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "Capital of Peru?"}]}).json()
         assert set(other["fedmosaic"]["weights"]) == {"global", "capitals:local"}  # never another client's adapter
+
+
+def test_calibrated_weights_by_default_from_the_clients_own_calibration(run_dir: Path) -> None:
+    from routing.calibration import Calibration
+
+    with serve(run_dir, "instance", feddpa_weighting=None, routing_details="all") as client:
+        ready(client)
+        body = client.post("/v1/chat/completions", json={
+            "model": "sorting", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}).json()
+        info, weights = body["fedmosaic"]["info"], body["fedmosaic"]["weights"]
+        cal = Calibration.load(run_dir / "adapters" / "clients" / "sorting")
+        assert cal is not None and info["weighting"] == "calibrated"
+        assert (info["own"], info["background"]) == (cal.own, cal.background)  # sorting's file, not capitals'
+        assert info["a"] == pytest.approx(cal.weight(info["score"], 0.5))
+        assert weights == pytest.approx({"global": 1 - info["a"], "sorting:local": info["a"]})
 
 
 def test_fixed_mode_uses_the_runs_alpha(run_dir: Path) -> None:

@@ -1,0 +1,128 @@
+"""How well FedDPA's instance-wise weight tells a client's own task from the others (issue 19).
+
+Embeds, with SmolLM2 (and a run's global adapter with ``--run``, else the bare model), ``--train``
+training prompts per client (its index), ``--test`` test prompts per task and the public background
+prompts (:mod:`routing.background`), all in the ``alpaca_short`` template. Then, for every client and
+each rule, the local weight ``a`` of every test prompt through :class:`routing.FedDPARouter`:
+``paper`` (``lambda * mean cosine`` of S=5 random instances), ``calibrated`` (centred score mapped by
+the client's calibration, built here exactly as training builds it) and ``fixed`` (lambda). Reports per
+rule the mean and median ``a`` on the client's own task and on the other tasks, the AUC of own vs
+other (1 = always apart) and the routing time per request (the decision alone; the prefill it follows
+is timed too, for scale). Prints one JSON object.
+
+Usage: python bench/feddpa_weighting.py --data feddpa1 [--run RUN_DIR] [--train 40] [--test 20]
+       [--embeddings cache.npz]   (reuses the embeddings of an earlier call with the same settings)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from routing import EmbeddingIndex, FedDPARouter
+from routing.calibration import calibrate
+
+LAMBDA = 0.5
+
+
+def embed(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """Embed train / test / background prompts; returns arrays keyed ``train/<client>``, ``test/<task>``, ``bg``."""
+    from adapters import inject, load_adapter
+    from models import load_base_model
+    from routing.embedding import embed_prompts
+    from training.data import PromptConfig, load_dataset, prompt_texts
+    from training.personalize import background_prompts
+
+    ds = load_dataset(args.data)
+    lm = load_base_model("smollm2")
+    adapted = inject(lm.model, ("q_proj", "v_proj"))
+    names: tuple[str, ...] = ()
+    if args.run:
+        load_adapter(adapted, Path(args.run) / "adapters" / "global", "global", check_base=False)
+        names = ("global",)
+    cfg = PromptConfig("alpaca_short")
+
+    def run(prompts: list[str]) -> np.ndarray:
+        return embed_prompts(lm.model, adapted, lm.tokenizer, prompts, names, autocast=lm.autocast)
+
+    out: dict[str, np.ndarray] = {}
+    for c in ds.clients:
+        out[f"train/{c.client_id}"] = run(prompt_texts(list(c.train)[: args.train], lm.tokenizer, cfg))
+        out[f"task/{c.client_id}"] = np.array([c.task])
+    for task, records in ds.tests.items():
+        out[f"test/{task}"] = run(prompt_texts(list(records)[: args.test], lm.tokenizer, cfg))
+    out["bg"] = run(background_prompts(lm.tokenizer, "alpaca_short"))
+    prompt = prompt_texts(list(ds.clients[0].train)[:1], lm.tokenizer, cfg)
+    began = time.perf_counter()
+    for _ in range(5):
+        run(prompt)
+    out["prefill_s"] = np.array([(time.perf_counter() - began) / 5])
+    return out
+
+
+def auc(pos: np.ndarray, neg: np.ndarray) -> float:
+    """P(own > other) + half the ties."""
+    return float((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean())
+
+
+def measure(data: dict[str, np.ndarray]) -> dict[str, object]:
+    """Per-rule weight statistics (own vs other tasks) and routing time per request."""
+    clients = sorted(k.split("/", 1)[1] for k in data if k.startswith("train/"))
+    tests = {k.split("/", 1)[1]: data[k] for k in data if k.startswith("test/")}
+    rules = {"paper": FedDPARouter(lambda_=LAMBDA, S=5, seed=0),
+             "calibrated": FedDPARouter(lambda_=LAMBDA, weighting="calibrated")}
+    result: dict[str, dict[str, list[float]]] = {r: {"own": [], "other": [], "auc": []} for r in rules}
+    timing: dict[str, list[float]] = {r: [] for r in rules}
+    per_client: dict[str, dict[str, dict[str, float]]] = {}
+    for c in clients:
+        own_task = str(data[f"task/{c}"][0])
+        index = EmbeddingIndex(data[f"train/{c}"], calibration=calibrate(data[f"train/{c}"], data["bg"]))
+        for name, router in rules.items():
+            began = time.perf_counter()
+            a = {t: np.array([router.decide(q, index, client=c).info["a"] for q in qs]) for t, qs in tests.items()}
+            timing[name].append((time.perf_counter() - began) / sum(len(q) for q in tests.values()))
+            own = a[own_task]
+            other = np.concatenate([v for t, v in a.items() if t != own_task])
+            result[name]["own"].extend(own.tolist())
+            result[name]["other"].extend(other.tolist())
+            result[name]["auc"].append(auc(own, other))
+            per_client.setdefault(c, {})[name] = {"own": float(own.mean()), "other": float(other.mean())}
+    summary: dict[str, object] = {}
+    for name, r in result.items():
+        own, other = np.array(r["own"]), np.array(r["other"])
+        summary[name] = {"own_mean": float(own.mean()), "own_median": float(np.median(own)),
+                         "other_mean": float(other.mean()), "other_median": float(np.median(other)),
+                         "other_p90": float(np.quantile(other, 0.9)), "own_p10": float(np.quantile(own, 0.1)),
+                         "auc_mean": float(np.mean(r["auc"])), "auc_min": float(np.min(r["auc"])),
+                         "route_us_per_request": 1e6 * float(np.median(timing[name]))}
+    summary["fixed"] = {"own_mean": LAMBDA, "other_mean": LAMBDA, "auc_mean": 0.5, "route_us_per_request": 0.0}
+    summary["per_client"] = per_client
+    if "prefill_s" in data:
+        summary["prompt_forward_ms"] = 1e3 * float(data["prefill_s"][0])
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="feddpa1")
+    parser.add_argument("--run", default=None, help="a run directory whose global adapter is on while embedding")
+    parser.add_argument("--train", type=int, default=40, help="training prompts per client (the index)")
+    parser.add_argument("--test", type=int, default=20, help="test prompts per task")
+    parser.add_argument("--embeddings", default=None, help="npz cache of the embeddings (read if present)")
+    args = parser.parse_args()
+    cache = Path(args.embeddings) if args.embeddings else None
+    if cache is not None and cache.is_file():
+        data = dict(np.load(cache))
+    else:
+        data = embed(args)
+        if cache is not None:
+            np.savez(cache, **data)
+    print(json.dumps({"data": args.data, "run": args.run, "lambda": LAMBDA, **measure(data)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

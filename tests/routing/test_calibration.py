@@ -1,0 +1,149 @@
+"""Calibrated FedDPA weighting: the mapping on a constructed case, leave-one-out, round trip, isolation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from routing import EmbeddingIndex, FedDPARouter, IndexCache, RoutingError
+from routing.background import BACKGROUND_PROMPTS, background_id
+from routing.calibration import CALIBRATION_FILE, Calibration, calibrate, fingerprint, scores
+
+H = 64
+
+
+def states(rng: np.random.Generator, topic: np.ndarray | None, n: int) -> np.ndarray:
+    """Final-layer-like states: one large shared direction (cosine ~0.9 between any two), a topic, noise."""
+    common = np.zeros(H, dtype=np.float32)
+    common[0] = 12.0
+    x = common + rng.normal(scale=1.0, size=(n, H)).astype(np.float32)
+    if topic is not None:
+        x += 4.0 * topic
+    return x
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, np.ndarray]:
+    """Client A's task, three other tasks, and a background of prompts on many random topics."""
+    rng = np.random.default_rng(0)
+    topics = rng.normal(size=(40, H)).astype(np.float32)
+    topics[:, 0] = 0.0
+    topics /= np.linalg.norm(topics, axis=1, keepdims=True)
+    background = np.concatenate([states(rng, topics[i], 4) for i in range(4, 40)])  # 144 generic prompts
+    return {"own_train": states(rng, topics[0], 120), "own_test": states(rng, topics[0], 50),
+            "other_test": np.concatenate([states(rng, topics[i], 50) for i in (1, 2, 3)]),
+            "background": background}
+
+
+def weights(router: FedDPARouter, index: EmbeddingIndex, queries: np.ndarray) -> np.ndarray:
+    return np.array([router.decide(q, index, client="a").info["a"] for q in queries])
+
+
+# knn's top-k of noisy neighbours scatters more than the mean over every instance
+@pytest.mark.parametrize(("statistic", "own_mean"), [("centroid", 0.7), ("knn", 0.5)])
+def test_own_typical_near_lambda_unrelated_near_zero(world: dict[str, np.ndarray], statistic: str,
+                                                     own_mean: float) -> None:
+    lam = 0.5
+    cal = calibrate(world["own_train"], world["background"], statistic=statistic)  # type: ignore[arg-type]
+    index = EmbeddingIndex(world["own_train"], calibration=cal)
+    calibrated = FedDPARouter(lambda_=lam, weighting="calibrated")
+    own, other = weights(calibrated, index, world["own_test"]), weights(calibrated, index, world["other_test"])
+    assert np.median(own) > 0.8 * lam and own.mean() > own_mean * lam
+    assert np.median(other) == 0.0 and other.mean() < 0.05 * lam
+    # the paper's rule on the same states barely tells them apart (the issue's 0.49 vs 0.44)
+    paper = FedDPARouter(lambda_=lam, S=5, seed=0)
+    p_own, p_other = weights(paper, index, world["own_test"]), weights(paper, index, world["other_test"])
+    assert p_other.mean() > 0.8 * p_own.mean()
+    # a prompt at the centre of the client's data gets exactly lambda, one at the background's centre 0
+    assert calibrated.decide(world["own_train"].mean(0), index, client="a").info["a"] == pytest.approx(lam)
+    assert calibrated.decide(world["background"].mean(0), index, client="a").info["a"] == 0.0
+
+
+def test_leave_one_out_scores_match_a_naive_loop() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(30, 8)).astype(np.float32)
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    for statistic, k in (("centroid", 5), ("knn", 4)):
+        got = scores(u, u, statistic, k, exclude_self=True)  # type: ignore[arg-type]
+        for i in range(len(u)):
+            sims = np.delete(u, i, 0) @ u[i]
+            ref = sims.mean() if statistic == "centroid" else np.sort(sims)[-k:].mean()
+            assert got[i] == pytest.approx(ref, abs=1e-5)
+
+
+def test_decision_info_and_weights(world: dict[str, np.ndarray]) -> None:
+    cal = calibrate(world["own_train"], world["background"])
+    index = EmbeddingIndex(world["own_train"], calibration=cal)
+    d = FedDPARouter(lambda_=0.5, weighting="calibrated").decide(world["own_test"][0], index, client="a")
+    info = dict(d.info)
+    assert info["weighting"] == "calibrated" and info["statistic"] == "centroid"
+    assert info["a"] == pytest.approx(cal.weight(info["score"], 0.5))
+    assert d.names == ("global", "a:local") and d.weights.tolist() == pytest.approx([1 - info["a"], info["a"]])
+    # without a calibration the paper's rule answers, and says so
+    plain = FedDPARouter(lambda_=0.5, weighting="calibrated", seed=0).decide(world["own_test"][0],
+                                                                            EmbeddingIndex(world["own_train"]))
+    assert plain.info["weighting"] == "paper" and "no calibration" in plain.info["note"]
+    with pytest.raises(RoutingError, match="weighting"):
+        FedDPARouter(weighting="tuned")  # type: ignore[arg-type]
+
+
+def test_calibration_round_trip_through_the_index_files(tmp_path: Path, world: dict[str, np.ndarray]) -> None:
+    cal = calibrate(world["own_train"], world["background"], statistic="knn", k=3, background_id=background_id())
+    EmbeddingIndex(world["own_train"], calibration=cal).save(tmp_path)
+    data = json.loads((tmp_path / CALIBRATION_FILE).read_text())
+    assert data["summary"]["background_id"].startswith("generic-v1:") and data["k"] == 3
+    loaded = EmbeddingIndex.load(tmp_path)
+    assert loaded.calibration is not None
+    assert (loaded.calibration.own, loaded.calibration.background, loaded.calibration.statistic) == \
+        (cal.own, cal.background, "knn")
+    np.testing.assert_array_equal(loaded.calibration.center, cal.center)
+    router = FedDPARouter(lambda_=0.5, weighting="calibrated")
+    q = world["own_test"][:5]
+    assert weights(router, loaded, q).tolist() == weights(router, EmbeddingIndex(world["own_train"],
+                                                                                 calibration=cal), q).tolist()
+    # an index saved without a calibration drops the file of the earlier vectors
+    EmbeddingIndex(world["other_test"]).save(tmp_path)
+    assert not (tmp_path / CALIBRATION_FILE).exists() and EmbeddingIndex.load(tmp_path).calibration is None
+
+
+def test_stale_or_malformed_calibration_is_refused(tmp_path: Path, world: dict[str, np.ndarray]) -> None:
+    cal = calibrate(world["own_train"], world["background"])
+    assert cal.fingerprint == fingerprint(world["own_train"])
+    with pytest.raises(RoutingError, match="fedmosaic calibrate"):
+        EmbeddingIndex(world["other_test"], calibration=cal)
+    EmbeddingIndex(world["own_train"]).save(tmp_path)
+    cal.save(tmp_path)
+    np.save(tmp_path / "embeddings.npy", world["other_test"])  # vectors rewritten, calibration left behind
+    with pytest.raises(RoutingError, match="does not match"):
+        EmbeddingIndex.load(tmp_path, use_faiss=False)
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"format": 99}))
+    with pytest.raises(RoutingError, match="format"):
+        Calibration.load(tmp_path)
+    with pytest.raises(RoutingError, match="at least 2"):
+        calibrate(world["own_train"][:1], world["background"])
+    with pytest.raises(RoutingError, match="share H"):
+        calibrate(world["own_train"], world["background"][:, :8])
+
+
+def test_a_request_for_a_reads_only_as_calibration(tmp_path: Path, world: dict[str, np.ndarray]) -> None:
+    """Isolation: A's decision uses A's index and calibration, never B's, even through a symlink."""
+    for client, train in (("a", world["own_train"]), ("b", world["other_test"])):
+        EmbeddingIndex(train, calibration=calibrate(train, world["background"])).save(tmp_path / client)
+    cache = IndexCache(tmp_path)
+    a_cal = Calibration.load(tmp_path / "a")
+    index = cache.get("a")
+    assert index.calibration is not None and a_cal is not None and index.calibration.own == a_cal.own
+    assert [k[0] for k in cache.keys()] == ["a"]  # B's files were never loaded
+    (tmp_path / "c").mkdir()
+    np.save(tmp_path / "c" / "embeddings.npy", world["own_train"])
+    (tmp_path / "c" / CALIBRATION_FILE).symlink_to(tmp_path / "b" / CALIBRATION_FILE)
+    with pytest.raises(RoutingError, match="outside the folder"):
+        cache.get("c")
+
+
+def test_background_prompts_are_many_distinct_and_named() -> None:
+    assert len(BACKGROUND_PROMPTS) >= 120 and len(set(BACKGROUND_PROMPTS)) == len(BACKGROUND_PROMPTS)
+    assert background_id().startswith("generic-v1:") and background_id(["x", "y"]).startswith("custom:")
