@@ -3,7 +3,8 @@
 FedDPA (paper 000 section 4.3) mixes a client's global and local adapters as ``(1 - a, a)`` with
 ``a = lambda * mean cosine`` between the prompt's representation and S of the client's local
 instances, clipped to [0, 1]; the server reports ``a``, lambda, S, the similarity and the sampling
-mode in ``fedmosaic.info`` (or ``source: fixed`` with the run's alpha). These functions turn the
+mode in ``fedmosaic.info`` (or ``source: fixed`` with the run's alpha). Calibrated weighting (issue 19)
+reports the prompt's centred score with the client's own and background levels instead. These functions turn the
 ``fedmosaic`` field and ``/v1/models`` entries into Markdown and table rows; they never compute a
 weight themselves.
 """
@@ -51,6 +52,11 @@ def route_markdown(extension: Mapping[str, Any] | None) -> str:
         if info.get("source") == "fixed" or ("alpha" in info and "mean_similarity" not in info):
             alpha = f" α = {_fmt(info['alpha'])}" if "alpha" in info else ""
             lines.append(f"obtained: **fixed** — the run's inference weight{alpha} for every prompt")
+        elif info.get("weighting") == "calibrated" and "score" in info:
+            lines.append(f"obtained: **instance-wise, calibrated** — centred {info.get('statistic', '?')} score "
+                         f"**{_fmt(info['score'])}** of this prompt against the client's local instances, between "
+                         f"the background level {_fmt(info.get('background'))} (a = 0) and the client's own level "
+                         f"{_fmt(info.get('own'))} (a = λ), λ = {_fmt(info.get('lambda'))}, clipped to [0, λ]")
         elif "mean_similarity" not in info:
             lines.append("obtained: **instance-wise** — from this prompt's similarity to the client's local "
                          "instances (the server withholds the details: admin keys see them)")
@@ -77,7 +83,8 @@ def route_markdown(extension: Mapping[str, Any] | None) -> str:
                      + (f"; {tokens} generated tokens, see the heatmap" if tokens is not None else ""))
     extra = {k: v for k, v in info.items() if k not in ("a", "lambda", "S", "mean_similarity", "mode", "source",
                                                          "alpha", "note", "counts", "layers", "assigned",
-                                                         "top_k", "shared_expert")
+                                                         "top_k", "shared_expert", "score", "own", "background",
+                                                         "statistic")
              and not isinstance(v, Mapping | list)}
     if extra:
         lines.append("info: " + ", ".join(f"{k} = {_fmt(v)}" for k, v in extra.items()))
@@ -95,6 +102,9 @@ def route_summary(extension: Mapping[str, Any] | None) -> str:
         if "mean_similarity" in info:
             return (f"{head} · instance-wise (S = {info.get('S')}, mean similarity {_fmt(info['mean_similarity'])}, "
                     f"λ = {_fmt(info.get('lambda'))})")
+        if info.get("weighting") == "calibrated" and "score" in info:
+            return (f"{head} · instance-wise, calibrated (score {_fmt(info['score'])}, own "
+                    f"{_fmt(info.get('own'))}, background {_fmt(info.get('background'))})")
         if info.get("source") == "instance":
             return f"{head} · instance-wise"
         return f"{head} · fixed (the run's α)"

@@ -145,9 +145,13 @@ def sample_prompt(out: Path) -> tuple[str, str, str] | None:
 
 
 def describe_route(ext: dict[str, Any]) -> str:
-    """One line on how the server weighted the adapters (FedDPA: a, S, similarity)."""
+    """One line on how the server weighted the adapters (FedDPA: a and how it was obtained)."""
     info = ext.get("info") or {}
     weights = ", ".join(f"{k} {v:.3f}" for k, v in (ext.get("weights") or {}).items())
+    if ext.get("mode") == "feddpa" and info.get("weighting") == "calibrated" and "score" in info:
+        return (f"FedDPA weight a = {info.get('a', 0):.3f} (instance-wise, calibrated: score "
+                f"{info['score']:.3f} between background {info.get('background', 0):.3f} and own "
+                f"{info.get('own', 0):.3f}, lambda {info.get('lambda')}) -> {weights}")
     if ext.get("mode") == "feddpa" and "mean_similarity" in info:
         return (f"FedDPA weight a = {info.get('a', 0):.3f} (instance-wise: mean similarity "
                 f"{info['mean_similarity']:.3f} over S = {info.get('S')} local instances, lambda "

@@ -42,7 +42,11 @@ def test_streamed_answers_carry_the_feddpa_weight(client: ApiClient) -> None:
         weights, info = ext["weights"], ext["info"]
         assert set(weights) == {"global", "sorting:local"} and weights["sorting:local"] == pytest.approx(info["a"])
         assert weights["global"] + weights["sorting:local"] == pytest.approx(1.0)
-        assert info["a"] == pytest.approx(min(max(info["lambda"] * info["mean_similarity"], 0.0), 1.0))
+        # the calibrated rule (the default once training wrote the calibration, #19): lambda times the
+        # score's position between the background level (a = 0) and the client's own level (a = lambda)
+        assert info["weighting"] == "calibrated"
+        span = max(info["own"] - info["background"], 1e-6)
+        assert info["a"] == pytest.approx(info["lambda"] * min(max((info["score"] - info["background"]) / span, 0), 1))
     single = client.answer("global", "Hi", max_tokens=3)
     assert single.extension == {"mode": "adapter", "weights": {"global": 1.0}, "info": {}}
 

@@ -27,7 +27,8 @@ def test_first_run_trains_evaluates_serves_and_answers_personalised(stack: Stack
         assert f"[quickstart] {line}" in text, text[-3000:]
     assert "feddpa-t rounds" in text  # training's progress bar reached the terminal
     sample = next(line for line in text.splitlines() if "[quickstart]   weighting:" in line)
-    assert "FedDPA weight a = " in sample and "instance-wise" in sample and "S = " in sample
+    # training wrote each client's calibration, and calibrated weighting is the server's default (#19)
+    assert "FedDPA weight a = " in sample and "instance-wise, calibrated" in sample and "background" in sample
     assert json.loads((stack.out / "summary.json").read_text())["rounds"] == 2
     clients = sorted(p.parent.name for p in (stack.out / "adapters" / "clients").glob("*/local"))
     assert len(clients) == 8 and "sorting" in clients
@@ -75,3 +76,8 @@ def test_default_run_dirs_and_route_line() -> None:
                            "info": {"a": 0.4, "mean_similarity": 0.8, "S": 5, "lambda": 0.5}})
     assert line.startswith("FedDPA weight a = 0.400") and "S = 5" in line and "x:local 0.400" in line
     assert describe_route({"mode": "adapter", "weights": {"global": 1.0}, "info": {}}) == "mode adapter: global 1.000"
+    calibrated = describe_route({"mode": "feddpa", "weights": {"global": 0.75, "x:local": 0.25},
+                                 "info": {"weighting": "calibrated", "score": 0.4, "own": 0.5, "background": 0.3,
+                                          "lambda": 0.5, "a": 0.25}})
+    assert calibrated.startswith("FedDPA weight a = 0.250 (instance-wise, calibrated: score 0.400 between "
+                                 "background 0.300 and own 0.500, lambda 0.5)")

@@ -74,6 +74,18 @@ def test_route_text_explains_how_the_weight_was_obtained() -> None:
     assert "no `fedmosaic`" in render.route_markdown(None) and render.local_weight(None) is None
 
 
+def test_route_text_of_a_calibrated_decision() -> None:
+    """Issue 19's calibrated weighting: the centred score between the background and own levels."""
+    ext = {"mode": "feddpa", "weights": {"global": 0.8, "sorting:local": 0.2},
+           "info": {"weighting": "calibrated", "statistic": "centroid", "score": 0.42, "own": 0.6,
+                    "background": 0.3, "lambda": 0.5, "a": 0.2, "variant": "paper"}}
+    text = render.route_markdown(ext)
+    assert "**FedDPA weight a = 0.200**" in text and "instance-wise, calibrated" in text
+    assert "**0.420**" in text and "background level 0.300" in text and "own level 0.600" in text
+    assert "score =" not in text and "variant = paper" in text  # the levels are explained, not repeated
+    assert render.route_summary(ext) == ("FedDPA a = 0.200 · instance-wise, calibrated (score 0.420, own 0.600, "
+                                         "background 0.300)")
+
 
 def test_route_text_when_the_server_withholds_the_details() -> None:
     """The server's privacy default: the mode and the weights, no similarity (admin keys see it)."""
