@@ -203,3 +203,26 @@ def test_a_request_reads_only_its_own_clients_index(run: RunDir, tmp_path: Path)
     assert [k[0] for k in router.cache.keys()] == [a]
     with pytest.raises(RoutingError, match=f"client '{b}'.*holds 'last'"):
         router(b, state)
+
+
+def test_serve_routes_with_the_options_given_on_its_command_line(run: RunDir) -> None:
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from serving.api.app import create_app
+
+    settings = settings_from_args(parse_serve([str(run.root), "--model", "tiny", "--routing-details", "all",
+                                               "--feddpa-similarity", "pearson", "--feddpa-variant", "reference"]))
+    client = run.clients()[0]
+    with TestClient(create_app(settings)) as http:
+        for _ in range(300):
+            if http.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        body = http.post("/v1/chat/completions", json={
+            "model": client, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}).json()
+    info, weights = body["fedmosaic"]["info"], body["fedmosaic"]["weights"]
+    assert (info["weighting"], info["similarity"], info["variant"]) == ("paper", "pearson", "reference")
+    assert weights == pytest.approx({"global": info["a"], f"{client}:local": 1 - info["a"]})
