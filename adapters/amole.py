@@ -19,6 +19,12 @@ Semantics of the routed sum (the naive per-token loop lives in the tests as the 
             j = topk_idx[n, slot]
             y[n] += topk_w[n, slot] * s * B_j @ A_j @ h[n]
 
+FedAMoLE-A (paper 002 section 5.5, ``router="vanilla"``) replaces the shape-invariant gate by a vanilla
+MoLE router (Appendix B.1, eq. (24)): one linear router ``W`` (N_e, d) per module over every assignable
+expert (so it averages across clients), ``z_j = W_j . h`` for the assigned experts, then the same softmax,
+top-k and renormalisation (7)-(9) restricted to them. ``P`` then stands for the assigned rows of ``W``
+(E, d). (A softmax over all N_e logits restricted afterwards renormalises to the same top-k weights.)
+
 Two exact ways to compute the routed sum, neither looping over tokens:
 
 * grouped (:func:`amole_delta`, used when dropout is active): the (token, slot) pairs are sorted
@@ -96,12 +102,35 @@ def amole_gate(
     return _route(expert_emb, token_emb, top_k)
 
 
+def vanilla_gate(h: torch.Tensor, W_assigned: torch.Tensor, top_k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FedAMoLE-A's vanilla MoLE gate over the assigned experts: logits ``W_j . h``, then (7)-(9).
+
+    Args:
+        h: (N_tok, d) token hidden states.
+        W_assigned: (E, d) the router rows of the E assigned domain experts.
+        top_k: experts per token; clipped to E.
+
+    Returns:
+        ``(gates_full, topk_idx, topk_w)`` as :func:`amole_gate`.
+    """
+    if W_assigned.dim() != 2 or W_assigned.shape[0] == 0 or W_assigned.shape[1] != h.shape[-1] or top_k < 1:
+        raise ValueError(f"vanilla MoLE gate: W must be (E >= 1, d={h.shape[-1]}) and top_k >= 1, got "
+                         f"{tuple(W_assigned.shape)}, top_k={top_k}")
+    return _select(F.linear(h, W_assigned), top_k)
+
+
 def _route(
     expert_emb: torch.Tensor, token_emb: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Equations (6)-(9) from the (N, E, r) expert and (N, r) token embeddings."""
-    E, r = expert_emb.shape[1], expert_emb.shape[2]
-    scores = torch.einsum("ner,nr->ne", expert_emb, token_emb) / math.sqrt(r)  # (N, E)
+    r = expert_emb.shape[2]
+    return _select(torch.einsum("ner,nr->ne", expert_emb, token_emb) / math.sqrt(r), top_k)  # scores (N, E)
+
+
+def _select(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Equations (7)-(9) from (N, E) gate scores: full softmax, top-k, weights renormalised over the k."""
+    E = scores.shape[1]
     gates_full = scores.softmax(dim=-1)  # (N, E)
     k = min(top_k, E)
     top_p, topk_idx = gates_full.topk(k, dim=-1)  # (N, k)
@@ -204,6 +233,7 @@ def amole_forward(
     dropout_p: float = 0.0,
     training: bool = False,
     routed_dropout: Literal["per_expert", "per_token"] = "per_expert",
+    router: Literal["amole", "vanilla"] = "amole",
 ) -> AMoLEOutput:
     """Full AMoLE module output (equation (11)) given the frozen layer's output ``W0 h + b``.
 
@@ -217,7 +247,7 @@ def amole_forward(
         shared_B: (o, r) shared-expert B, or None together with ``shared_A``.
         A: (E, r, d) assigned domain experts' A.
         B: (E, o, r) assigned domain experts' B.
-        P: (r, d) token projection.
+        P: (r, d) token projection; with ``router="vanilla"`` the (E, d) router rows of the assigned experts.
         scaling: LoRA scaling ``s`` for the shared and every domain expert.
         top_k: experts per token (clipped to E).
         dropout_p: LoRA dropout on the expert paths only; the gate always sees the clean ``h``.
@@ -225,6 +255,7 @@ def amole_forward(
         routed_dropout: ``"per_expert"`` (reference): every (token, selected expert) pair draws its
             own mask. ``"per_token"``: one mask per token shared by its routed experts, which lets
             training use the dense path; on CPU mask generation dominates, so this is faster.
+        router: ``amole`` (the shape-invariant gate, eqs. (4)-(9)) or ``vanilla`` (FedAMoLE-A's linear router).
 
     Returns:
         :class:`AMoLEOutput` with the output shaped like ``base_out`` and the flattened gate
@@ -238,17 +269,24 @@ def amole_forward(
     dropping = training and dropout_p > 0.0
     if routed_dropout not in ("per_expert", "per_token"):
         raise ValueError(f"routed_dropout must be per_expert or per_token, got {routed_dropout!r}")
+    if router not in ("amole", "vanilla"):
+        raise ValueError(f"router must be amole or vanilla, got {router!r}")
+    vanilla = router == "vanilla"
+    if vanilla and P.shape[0] != E:
+        raise ValueError(f"a vanilla router needs one row per assigned expert: {tuple(P.shape)} for E={E}")
     if dropping and routed_dropout == "per_expert":
-        gates_full, topk_idx, topk_w = amole_gate(hf, P, A, top_k)
+        gates_full, topk_idx, topk_w = vanilla_gate(hf, P, top_k) if vanilla else amole_gate(hf, P, A, top_k)
         delta = amole_delta(
             hf, A, B, scaling, topk_idx, topk_w, dropout_p=dropout_p, training=True
         )  # (N, o)
     else:
         # The gate's expert embeddings A_j h double as the LoRA path's when nothing is dropped.
-        _check_gate_inputs(hf, P, A, top_k)
+        if not vanilla:
+            _check_gate_inputs(hf, P, A, top_k)
         A_cat = A.reshape(E * r, d)
         expert_emb = F.linear(hf, A_cat).view(-1, E, r)  # (N, E, r)
-        gates_full, topk_idx, topk_w = _route(expert_emb, F.linear(hf, P), top_k)
+        gates_full, topk_idx, topk_w = vanilla_gate(hf, P, top_k) if vanilla else \
+            _route(expert_emb, F.linear(hf, P), top_k)
         lora_emb = expert_emb
         if dropping:
             lora_emb = F.linear(F.dropout(hf, p=dropout_p, training=True), A_cat).view(-1, E, r)

@@ -2,9 +2,10 @@
 
 Folder layout (paper 002; what the serving engine loads for AMoLE routing):
 
-    amole_config.json         LoRA config of the experts, number of experts, top_k, shared flag, base model
+    amole_config.json         LoRA config of the experts, number of experts, top_k, shared flag, base model,
+                              router kind (``amole``, or ``vanilla`` for FedAMoLE-A; absent: ``amole``)
     amole_model.safetensors   base_model.model.<path>.lora_A.<expert>.weight / lora_B, and
-                              base_model.model.<path>.token_proj.weight
+                              base_model.model.<path>.token_proj.weight (P (r, d), or W (N_e, d) vanilla)
     assignments.json          {client: {layer path: [expert ids]}}
 
 Expert keys keep PEFT's naming with the adapter name inside, as PEFT's multi-adapter state dicts
@@ -23,7 +24,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from adapters.amole_layer import SHARED, add_amole_experts, expert_name, load_token_proj_state, token_proj_state
+from adapters.amole_layer import (
+    SHARED,
+    add_amole_experts,
+    check_router,
+    expert_name,
+    load_token_proj_state,
+    token_proj_state,
+)
 from adapters.config import AdapterError, LoraConfig
 from adapters.inject import AdaptedModel
 
@@ -43,9 +51,10 @@ def _atomic_write(folder: Path, name: str, write) -> None:  # noqa: ANN001
 
 
 def save_amole(
-    adapted: AdaptedModel, folder: str | Path, num_experts: int, assignments: Assignments, top_k: int = 2
+    adapted: AdaptedModel, folder: str | Path, num_experts: int, assignments: Assignments, top_k: int = 2,
+    router: str = "amole",
 ) -> Path:
-    """Write all experts, token projections and ``assignments`` of an AMoLE model."""
+    """Write all experts, routers (token projections or vanilla routers) and ``assignments`` of an AMoLE model."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     names = [expert_name(j) for j in range(num_experts)]
@@ -61,7 +70,7 @@ def save_amole(
         tensors[f"{PREFIX}{key}.weight"] = value.contiguous().cpu()
     config = adapted.configs[names[0]]
     meta = {"lora": config.to_peft_dict(adapted.base_model_name), "num_experts": num_experts,
-            "top_k": top_k, "shared_expert": shared}
+            "top_k": top_k, "shared_expert": shared, "router": check_router(router)}
     plain = {c: {p: sorted(int(j) for j in ids) for p, ids in a.items()} for c, a in assignments.items()}
     _atomic_write(folder, WEIGHTS, lambda t: save_file(tensors, t, metadata={"format": "pt"}))
     _atomic_write(folder, ASSIGNMENTS, lambda t: Path(t).write_text(json.dumps(plain, indent=1)))
@@ -87,6 +96,7 @@ class AMoLEFolder:
         num_experts: domain experts per module.
         top_k: experts gated per token.
         shared: whether a shared expert exists.
+        router: ``amole`` (token projections P (r, d)) or ``vanilla`` (FedAMoLE-A: routers W (N_e, d)).
         base_model: the base model the run trained on (None when unrecorded).
         layers: the model's layer paths the experts target.
         state: every tensor of ``amole_model.safetensors`` by file key.
@@ -98,6 +108,7 @@ class AMoLEFolder:
     num_experts: int
     top_k: int
     shared: bool
+    router: str
     base_model: str | None
     layers: tuple[str, ...]
     state: dict[str, torch.Tensor]
@@ -120,9 +131,10 @@ class AMoLEFolder:
         return out
 
     def token_proj(self, path: str, in_features: int) -> torch.Tensor:
-        """The token projection P (r, d) of layer ``path``, checked against the layer's input width."""
+        """The router of layer ``path`` (P (r, d), or W (N_e, d) for ``vanilla``), checked against its input width."""
         P = self.state.get(f"{PREFIX}{path}.token_proj.weight")
-        if P is None or P.shape != (self.config.r, in_features):
+        rows = self.num_experts if self.router == "vanilla" else self.config.r
+        if P is None or P.shape != (rows, in_features):
             raise AdapterError(f"{self.folder / WEIGHTS}: token projection of {path} is missing or misshapen")
         return P
 
@@ -141,6 +153,7 @@ def read_amole(adapted: AdaptedModel, folder: str | Path) -> AMoLEFolder:
         config = LoraConfig.from_peft_dict(meta["lora"])  # type: ignore[arg-type]
         num_experts, top_k = int(meta["num_experts"]), int(meta["top_k"])  # type: ignore[arg-type]
         shared = bool(meta["shared_expert"])
+        router = check_router(str(meta.get("router", "amole")))  # folders written before FedAMoLE-A: amole
         raw = json.loads((folder / ASSIGNMENTS).read_text())
     except (KeyError, TypeError, ValueError, OSError) as exc:
         raise AdapterError(f"{folder} is not a complete AMoLE folder: {exc}") from exc
@@ -148,7 +161,7 @@ def read_amole(adapted: AdaptedModel, folder: str | Path) -> AMoLEFolder:
         raise AdapterError(f"{folder} lacks {WEIGHTS}")
     base = meta["lora"].get("base_model_name_or_path")  # type: ignore[union-attr]
     layers = adapted.target_layers(config)
-    return AMoLEFolder(folder, config, num_experts, top_k, shared, base or None, tuple(layers),
+    return AMoLEFolder(folder, config, num_experts, top_k, shared, router, base or None, tuple(layers),
                        load_file(str(folder / WEIGHTS)), _check_assignments(raw, num_experts, set(layers), folder))
 
 
@@ -173,14 +186,15 @@ def load_amole(adapted: AdaptedModel, folder: str | Path) -> tuple[dict[str, dic
     """Create the experts of ``folder`` in ``adapted``'s AMoLE layers and load them; return (assignments, top_k).
 
     The training-side loader (experts and token projections inside the layers); serving keeps several
-    versions side by side instead (:mod:`serving.amole_router`).
+    versions side by side instead (:mod:`serving.amole_router`). The folder's router kind is
+    :func:`read_amole_meta`'s ``router`` (route with ``AMoLERouting(router=...)``).
     """
     if any(n.startswith("expert_") for n in adapted.configs):
         raise AdapterError("this model already holds AMoLE experts; use a fresh injection")
     data = read_amole(adapted, folder)
     experts = {name: data.expert_state(name) for name in data.names}  # every check before the model changes
     proj = {f"{p}.token_proj": data.token_proj(p, adapted.layers[p].in_features) for p in data.layers}
-    add_amole_experts(adapted, data.num_experts, data.config, shared=data.shared)
+    add_amole_experts(adapted, data.num_experts, data.config, shared=data.shared, router=data.router)
     for name, state in experts.items():
         adapted.load_adapter_state(name, state)
     load_token_proj_state(adapted, proj)

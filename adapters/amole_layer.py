@@ -27,6 +27,14 @@ if TYPE_CHECKING:
     from adapters.layer import MultiLoraLinear
 
 SHARED = "expert_shared"
+ROUTERS: tuple[str, ...] = ("amole", "vanilla")
+
+
+def check_router(router: str) -> str:
+    """Return ``router`` if it is ``amole`` or ``vanilla`` (FedAMoLE-A's MoLE router), else raise AdapterError."""
+    if router not in ROUTERS:
+        raise AdapterError(f"AMoLE router must be one of {ROUTERS}, got {router!r}")
+    return router
 
 
 def expert_name(j: int) -> str:
@@ -35,13 +43,18 @@ def expert_name(j: int) -> str:
 
 
 def add_amole_experts(
-    adapted: AdaptedModel, num_experts: int, config: LoraConfig, seed: int = 0, shared: bool = True
+    adapted: AdaptedModel, num_experts: int, config: LoraConfig, seed: int = 0, shared: bool = True,
+    router: str = "amole",
 ) -> None:
-    """Create ``num_experts`` domain experts, the shared expert and a token projection per layer.
+    """Create ``num_experts`` domain experts, the shared expert and a router per layer.
 
-    Experts get PEFT's init (A Kaiming-uniform from distinct seeds so they differ, B zero); P gets
-    ``nn.Linear``'s default init, as the reference code (METHODS.md 1.1).
+    Experts get PEFT's init (A Kaiming-uniform from distinct seeds so they differ, B zero); the router gets
+    ``nn.Linear``'s default init, as the reference code (METHODS.md 1.1). Its shape depends on ``router``:
+    AMoLE's token projection P is (r, d); FedAMoLE-A's vanilla MoLE router W is (num_experts, d), one row
+    per assignable expert (paper 002 s5.5), stored in the same ``token_proj`` slot so that it is sent,
+    averaged and saved exactly like P.
     """
+    rows = num_experts if check_router(router) == "vanilla" else config.r
     if num_experts < 1:
         raise AdapterError(f"num_experts must be >= 1, got {num_experts}")
     for j in range(num_experts):
@@ -51,7 +64,7 @@ def add_amole_experts(
     gen = torch.Generator().manual_seed(seed * 100_003 + num_experts + 1)
     for layer in adapted.target_layers(config).values():
         # drawn on the CPU generator's device, then copied: the same projections on every device
-        P = torch.empty(config.r, layer.in_features, device=gen.device)
+        P = torch.empty(rows, layer.in_features, device=gen.device)
         nn.init.kaiming_uniform_(P, a=math.sqrt(5), generator=gen)
         layer.token_proj = nn.Parameter(P.to(layer.base_layer.weight.device))
 
@@ -132,7 +145,8 @@ def _setup(layer: MultiLoraLinear, routing: AMoLERouting, g: int) -> GroupSetup 
         raise AdapterError(f"{layer.layer_name} has no domain experts {missing}")
     top_k = source.top_k if source is not None and source.top_k is not None else routing.top_k
     use_shared = source.shared if source is not None and source.shared is not None else routing.shared
-    return GroupSetup(g, prefix, tuple(experts), _token_proj(layer, source), top_k, bool(use_shared))
+    router = source.router if source is not None and source.router is not None else routing.router
+    return GroupSetup(g, prefix, tuple(experts), _token_proj(layer, source), top_k, bool(use_shared), router)
 
 
 def _group_forward(layer: MultiLoraLinear, x: torch.Tensor, result: torch.Tensor, out: torch.Tensor,
@@ -156,12 +170,14 @@ def _group_forward(layer: MultiLoraLinear, x: torch.Tensor, result: torch.Tensor
     rows = (row_group == s.group).nonzero(as_tuple=True)[0].to(x.device)
     whole = rows.numel() == x.shape[0]
     xg, rg = (x, result) if whole else (x.index_select(0, rows), result.index_select(0, rows))
-    if routing.observer is not None:
+    if routing.observer is not None:  # a vanilla router's full W (N_e, d): its mean logits are FedAMoLE-A's relevance
         routing.observer(layer.layer_name, s.group, xg.detach(), P.detach(), A.detach())
+    gate = P.index_select(0, torch.tensor(experts, device=P.device)) if s.router == "vanilla" else P  # (E, d)
     res = amole_forward(
-        xg, rg, sh_A, sh_B, A, B, P, adapters[0].scaling, s.top_k,
+        xg, rg, sh_A, sh_B, A, B, gate, adapters[0].scaling, s.top_k,
         dropout_p=adapters[0].config.dropout, training=layer.training,
         routed_dropout=routing.routed_dropout,  # type: ignore[arg-type]
+        router=s.router,  # type: ignore[arg-type]
     )
     if torch.is_grad_enabled():
         routing.stats.append((layer.layer_name, res.gates_full, res.topk_idx))
@@ -171,7 +187,8 @@ def _group_forward(layer: MultiLoraLinear, x: torch.Tensor, result: torch.Tensor
 
 
 def _token_proj(layer: MultiLoraLinear, source: AMoLEExperts | None) -> torch.Tensor:
-    """The group's token projection: its source's for this layer, else the layer's own."""
+    """The group's router parameter (token projection or vanilla router): its source's for this layer, else the
+    layer's own."""
     if source is not None and source.token_proj is not None:
         P = source.token_proj.get(layer.layer_name)
         if P is None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from adapters.amole_layer import amole_layer_forward
+from adapters.amole_layer import amole_layer_forward, check_router
 from adapters.config import AdapterError
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ class AMoLERouting:
             uses the layer's ``expert_<j>``, ``expert_shared`` and ``token_proj``.
         recorder: optional :class:`ExpertRecorder` receiving every token's top-k expert ids (off by
             default; the layers skip it when None).
+        router: ``amole`` (the shape-invariant gate, the layer's ``token_proj`` is P (r, d)) or ``vanilla``
+            (FedAMoLE-A: ``token_proj`` is the linear router W (N_e, d) over every expert; paper 002 s5.5).
     """
 
     groups: tuple[Mapping[str, tuple[int, ...]], ...]
@@ -60,8 +62,10 @@ class AMoLERouting:
     observer: Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     experts: tuple[AMoLEExperts, ...] = ()
     recorder: ExpertRecorder | None = field(default=None, compare=False)
+    router: str = "amole"
 
     def __post_init__(self) -> None:
+        check_router(self.router)
         if not self.groups:
             raise AdapterError("AMoLE routing needs at least one client assignment")
         if isinstance(self.row_group, torch.Tensor) and self.row_group.device.type != "cpu":
@@ -99,14 +103,19 @@ class AMoLEExperts:
         token_proj: layer path -> that layer's token projection P (r, d); None: ``layer.token_proj``.
         top_k: experts per token for this group; None: the routing's ``top_k``.
         shared: add this group's shared expert; None: the routing's ``shared``.
+        router: this group's gate, ``amole`` or ``vanilla`` (``token_proj`` then holds W (N_e, d));
+            None: the routing's ``router``.
     """
 
     prefix: str = ""
     token_proj: Mapping[str, torch.Tensor] | None = field(default=None, compare=False)
     top_k: int | None = None
     shared: bool | None = None
+    router: str | None = None
 
     def __post_init__(self) -> None:
+        if self.router is not None:
+            check_router(self.router)
         if self.top_k is not None and self.top_k < 1:
             raise AdapterError(f"top_k must be >= 1, got {self.top_k}")
 

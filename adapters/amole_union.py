@@ -7,9 +7,9 @@ small kernels per (client, layer). Here the clients that share an expert source 
 version), the shared-expert setting and the effective k = min(top_k, E_c) run together:
 
 - every token is projected onto the union U of those clients' experts, ``A_j h`` for j in U (N, U, r);
-- the gate scores ``A_j h . P h / sqrt(r)`` of experts outside the token's own client's assignment
-  are set to -inf before the softmax, so the softmax, top-k and renormalised weights are exactly
-  those over the client's own experts;
+- the gate scores ``A_j h . P h / sqrt(r)`` (FedAMoLE-A's vanilla router: ``W_j . h``) of experts
+  outside the token's own client's assignment are set to -inf before the softmax, so the softmax, top-k
+  and renormalised weights are exactly those over the client's own experts;
 - the routed sum is one dense (N, U*r) x (U*r, o) product with the unselected weights at zero.
 
 Only for inference (no autograd, no dropout, no RSEA observer): training runs one client at a time.
@@ -40,9 +40,10 @@ class GroupSetup:
         group: the group index in ``AMoLERouting.groups``.
         prefix: adapter-name prefix of its expert source ("" for the layer's own experts).
         experts: its assigned domain-expert ids in this layer.
-        P: (r, d) its token projection.
+        P: (r, d) its token projection, or (N_e, d) its vanilla router (``router="vanilla"``).
         top_k: experts per token before clipping to ``len(experts)``.
         shared: whether the shared expert adds at weight 1.
+        router: ``amole`` or ``vanilla`` (FedAMoLE-A: the gate scores are ``W_j . h``).
     """
 
     group: int
@@ -51,11 +52,12 @@ class GroupSetup:
     P: torch.Tensor
     top_k: int
     shared: bool
+    router: str = "amole"
 
     @property
-    def batch_key(self) -> tuple[str, int, int, bool]:
-        """Groups with equal keys can share one union pass (same source, projection, k and shared flag)."""
-        return (self.prefix, id(self.P), min(self.top_k, len(self.experts)), self.shared)
+    def batch_key(self) -> tuple[str, int, int, bool, str]:
+        """Groups with equal keys can share one union pass (same source, projection, k, shared flag, gate)."""
+        return (self.prefix, id(self.P), min(self.top_k, len(self.experts)), self.shared, self.router)
 
 
 def union_forward(
@@ -102,8 +104,12 @@ def union_forward(
     scaling = layer.adapters[expert_names[0]].scaling
     U, r, _ = A.shape
     expert_emb = F.linear(hf, A.reshape(U * r, d)).view(-1, U, r)  # (N, U, r)
-    token_emb = F.linear(hf, first.P.to(x.dtype))  # (N, r)
-    scores = torch.einsum("nur,nr->nu", expert_emb, token_emb) / math.sqrt(r)  # (N, U)
+    if first.router == "vanilla":  # FedAMoLE-A: the router rows of the union's experts score every token
+        rows_of_union = torch.tensor(union, device=first.P.device)
+        scores = F.linear(hf, first.P.index_select(0, rows_of_union).to(x.dtype))  # (N, U)
+    else:
+        token_emb = F.linear(hf, first.P.to(x.dtype))  # (N, r)
+        scores = torch.einsum("nur,nr->nu", expert_emb, token_emb) / math.sqrt(r)  # (N, U)
     scores = scores.masked_fill(~allowed.to(x.device)[token_part], float("-inf"))
     top_p, topk_idx = scores.softmax(dim=-1).topk(k, dim=-1)  # (N, k) positions in the union
     topk_w = top_p / top_p.sum(dim=-1, keepdim=True)

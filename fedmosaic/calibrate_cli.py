@@ -6,6 +6,12 @@ only the index; this command adds the calibration from what the run directory al
 stored instance embeddings of each client and the public background prompts (:mod:`routing.background`)
 embedded with the run's final global adapter, in the run's prompt template. No client data is read, and
 each client's calibration uses its own embeddings only.
+
+``--feddpa-embedding mean`` (paper 000 Table 10's average-token embedding) needs the index itself pooled
+that way: a client whose index was pooled otherwise (``embeddings.kind.json``; none: last token) gets it
+rebuilt from its training instances, re-read from the run's data set as ``run.json`` records it and
+embedded with the final global adapter, then calibrated; ``--rebuild-index`` rebuilds it whatever its
+pooling. Each client's index is built from that client's own instances only.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from adapters import inject, load_adapter, read_adapter_folder
 from adapters.rundir import RunDir
 from models import load_base_model, settings
 from routing.background import background_id
-from routing.calibration import calibrate
-from routing.embedding import embed_prompts
-from training.personalize import background_prompts
+from routing.cache import EmbeddingIndex, index_pooling
+from routing.calibration import CALIBRATION_FILE, calibrate
+from routing.embedding import POOLINGS, Pooling, embed_prompts
+from training.data import load_run_dataset
+from training.personalize import background_prompts, instance_prompts, write_index
 
 
 def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,21 +44,39 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--k", type=int, default=5, help="neighbours averaged by --statistic knn")
     p.add_argument("--background-quantile", type=float, default=1.0,
                    help="quantile of the background prompts' scores that maps to a = 0 (1: the highest)")
+    p.add_argument("--feddpa-embedding", choices=POOLINGS, default=None,
+                   help="pool the index's states as the last token or the mean over the prompt's tokens (paper 000 "
+                        "Table 10); an index pooled otherwise is rebuilt from the run's data (default: keep each "
+                        "client's)")
+    p.add_argument("--rebuild-index", action="store_true",
+                   help="re-embed every client's training instances even when its index is pooled as asked")
     p.add_argument("--dtype", choices=settings.DTYPES, default=None)
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     return p
 
 
 def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str = "centroid", k: int = 5,
-                  background_quantile: float = 1.0, dtype: str | None = None, device: str | None = None
-                  ) -> dict[str, Any]:
+                  background_quantile: float = 1.0, dtype: str | None = None, device: str | None = None,
+                  embedding: str | None = None, rebuild: bool = False) -> dict[str, Any]:
     """Write ``embeddings.calibration.json`` for every client of ``run_dir`` that has an embedding index.
 
+    Args:
+        run_dir: the run directory.
+        model: base model (default: ``run.json``'s).
+        statistic: ``centroid`` or ``knn`` (``routing.calibration``).
+        k: neighbours of ``knn``.
+        background_quantile: the background scores' quantile that maps to ``a = 0``.
+        dtype: compute dtype.
+        device: where the model runs.
+        embedding: ``last`` or ``mean``: rebuild every index pooled otherwise (None: keep each client's).
+        rebuild: rebuild every index from the client's training instances.
+
     Returns:
-        ``{client: {"own": o, "background": b, "path": file}}``.
+        ``{client: {"own": o, "background": b, "path": file, "embedding": pooling, "rebuilt": bool}}``.
 
     Raises:
         ValueError: the run has no global adapter or no client with an embedding index.
+        DataError: an index must be rebuilt but the run's data set cannot be read or lacks the client.
     """
     run = RunDir(Path(run_dir))
     cfg = run.read_config()
@@ -60,19 +86,40 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
                          "only FedDPA runs are weighted instance-wise")
     if not (run.global_adapter / "adapter_config.json").is_file():
         raise ValueError(f"{run.root} has no global adapter ({run.global_adapter})")
+    stored = {c: index_pooling(run.client_dir(c)) for c in clients}
+    wanted: dict[str, Pooling] = {c: embedding or stored[c] for c in clients}  # type: ignore[misc]
+    redo = {c for c in clients if rebuild or wanted[c] != stored[c]}
+    # the data set is read only when an index is re-embedded, before the model loads (a bad spec fails first)
+    data = {cd.client_id: cd for cd in load_run_dataset(cfg).clients} if redo else {}
+    lost = sorted(redo - set(data))
+    if lost:
+        raise ValueError(f"the data set of {run.root} names no clients {lost}: their index cannot be rebuilt")
     loaded = load_base_model(model or cfg.get("model", "smollm2"), dtype=dtype, device=device)  # type: ignore[arg-type]
     lora, _, _ = read_adapter_folder(run.global_adapter)
     adapted = inject(loaded.model, lora.target_modules)
     load_adapter(adapted, run.global_adapter, "global", check_base=False)
     style = str((cfg.get("train") or {}).get("prompt_style", "alpaca_short"))
-    prompts = background_prompts(loaded.tokenizer, style)
-    background = embed_prompts(loaded.model, adapted, loaded.tokenizer, prompts, ("global",), autocast=loaded.autocast)
+
+    def embed(prompts: list[str], pooling: Pooling) -> np.ndarray:
+        return embed_prompts(loaded.model, adapted, loaded.tokenizer, prompts, ("global",), autocast=loaded.autocast,
+                             pooling=pooling)
+
+    backgrounds: dict[str, np.ndarray] = {}  # one embedding of the public prompts per pooling used
     out: dict[str, Any] = {}
     for client in clients:
-        folder = run.client_dir(client)
-        vectors = np.load(run.embeddings(client), allow_pickle=False)
-        cal = calibrate(vectors, background, statistic, k, background_quantile, background_id())  # type: ignore[arg-type]
-        out[client] = {"own": cal.own, "background": cal.background, "path": str(cal.save(folder))}
+        folder, pooling = run.client_dir(client), wanted[client]
+        if pooling not in backgrounds:
+            backgrounds[pooling] = embed(background_prompts(loaded.tokenizer, style), pooling)
+        vectors = embed(instance_prompts(data[client], loaded.tokenizer, style), pooling) if client in redo \
+            else np.load(run.embeddings(client), allow_pickle=False)
+        cal = calibrate(vectors, backgrounds[pooling], statistic, k, background_quantile,  # type: ignore[arg-type]
+                        background_id())
+        if client in redo:
+            write_index(EmbeddingIndex(vectors, calibration=cal, pooling=pooling), folder)
+        else:
+            cal.save(folder)
+        out[client] = {"own": cal.own, "background": cal.background, "path": str(folder / CALIBRATION_FILE),
+                       "embedding": pooling, "rebuilt": client in redo}
     return out
 
 
@@ -82,8 +129,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise SystemExit("fedmosaic calibrate: --k must be >= 1 and --background-quantile in [0, 1]")
     try:
         result = calibrate_run(args.run_dir, args.model, args.statistic, args.k, args.background_quantile,
-                               args.dtype, args.device)
-    except ValueError as exc:
+                               args.dtype, args.device, args.feddpa_embedding, args.rebuild_index)
+    except ValueError as exc:  # DataError and AdapterError included
         raise SystemExit(f"fedmosaic calibrate: {exc}") from exc
     print(json.dumps(result, indent=2))
     return 0

@@ -101,7 +101,9 @@ class WeightRouter(Protocol):
     Given the client and (when ``uses_state``) the final-layer state of the prompt's last token taken
     during prefill with the global adapter on (paper 000 section 4.3), a router returns a
     :class:`RoutingDecision` over adapter names as the server knows them (``global``,
-    ``<client>:local``). The serving engine asks for the state only when ``uses_state`` is True.
+    ``<client>:local``). The serving engine asks for the state only when ``uses_state`` is True. A router
+    may also declare ``pooling = "mean"``: it is then handed the mean of the prompt's final-layer states
+    instead of the last token's (paper 000 Table 10; absent: ``last``).
     """
 
     @property

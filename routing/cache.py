@@ -6,12 +6,18 @@ cosine), saved beside the client's adapter as ``embeddings.faiss`` with the raw 
 request costs one forward of its own prompt instead of S + 1. faiss is imported lazily; without it the
 same search runs as a numpy matrix product. :class:`IndexCache` keeps loaded indexes keyed by
 (client, version) and resolves every path inside the named client's own folder.
+
+Each index records how its vectors were pooled (``embeddings.kind.json``: the last token, or the mean
+over the prompt's tokens, ``routing.embedding``); an index without the record holds last-token vectors,
+the only kind written before it existed. A request pooled otherwise is refused, never compared.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,8 +28,53 @@ from adapters import AdapterError
 from adapters.rundir import check_client_id
 from routing.base import RoutingError
 from routing.calibration import CALIBRATION_FILE, Calibration, fingerprint
+from routing.embedding import Pooling, check_pooling
 
 STEM = "embeddings"
+KIND_FORMAT = 1
+
+
+def kind_file(folder: Path, stem: str = STEM) -> Path:
+    """``<stem>.kind.json``: how the vectors of ``folder``'s index were pooled."""
+    return Path(folder) / f"{stem}.kind.json"
+
+
+def index_pooling(folder: Path, stem: str = STEM) -> Pooling:
+    """The pooling of the index in ``folder`` (``last`` when unrecorded: indexes written before the record).
+
+    Raises:
+        RoutingError: the record is unreadable or names an unknown pooling.
+    """
+    path = kind_file(folder, stem)
+    if not path.is_file():
+        return "last"
+    try:
+        data = json.loads(path.read_text())
+        return check_pooling(data["embedding"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise RoutingError(f"{path} is not a readable FedDPA index record: {exc}") from exc
+
+
+def check_index_pooling(folders: Mapping[str, Path], wanted: str, run: object = "RUN_DIR") -> None:
+    """Refuse to route with ``wanted`` pooling over clients whose index was pooled otherwise.
+
+    Args:
+        folders: client -> its folder (only clients with an index are checked).
+        wanted: the pooling requests will be embedded with.
+        run: the run directory, named in the error's fix.
+
+    Raises:
+        RoutingError: one line naming the clients, what their index holds and the command that rebuilds it.
+    """
+    wanted = check_pooling(wanted)
+    other = {c: index_pooling(f) for c, f in folders.items() if (Path(f) / f"{STEM}.npy").is_file()}
+    other = {c: p for c, p in other.items() if p != wanted}
+    if other:
+        held = sorted(set(other.values()))[0]
+        raise RoutingError(
+            f"FedDPA embedding {wanted!r} was asked for, but the index of clients {sorted(other)} holds {held!r} "
+            f"embeddings; rebuild it with `fedmosaic calibrate {run} --feddpa-embedding {wanted}` "
+            f"(or use --feddpa-embedding {held})")
 
 
 def _faiss() -> ModuleType | None:
@@ -55,10 +106,11 @@ class EmbeddingIndex:
         unit: (N, H) L2-normalised copies (what every cosine uses).
         calibration: the client's calibration of the centred score (``routing.calibration``), if any.
         centred: (N, H) unit vectors of ``raw - calibration.center`` (None without a calibration).
+        pooling: how the vectors were pooled from the final-layer states: ``last`` token or ``mean``.
     """
 
     def __init__(self, vectors: np.ndarray, use_faiss: bool = True, _index: Any = None,
-                 calibration: Calibration | None = None) -> None:
+                 calibration: Calibration | None = None, pooling: str = "last") -> None:
         vectors = np.asarray(vectors)
         if vectors.ndim != 2 or vectors.shape[0] == 0 or vectors.shape[1] == 0:
             raise RoutingError(f"an embedding index needs a non-empty (N, H) array, got shape {vectors.shape}")
@@ -66,6 +118,7 @@ class EmbeddingIndex:
             raise RoutingError("embeddings contain NaN or inf")
         self.raw = np.ascontiguousarray(vectors, dtype=np.float32)
         self.unit = np.ascontiguousarray(_normalise(self.raw))
+        self.pooling: Pooling = check_pooling(pooling)
         self.calibration: Calibration | None = None
         self.centred: np.ndarray | None = None
         if calibration is not None:
@@ -140,10 +193,11 @@ class EmbeddingIndex:
         return generator.choice(len(self), size=min(s, len(self)), replace=False)
 
     def save(self, folder: Path, stem: str = STEM) -> None:
-        """Write ``<stem>.npy`` (raw vectors), with faiss ``<stem>.faiss``, and the calibration if any."""
+        """Write ``<stem>.npy`` (raw vectors), ``<stem>.kind.json``, ``<stem>.faiss`` with faiss, the calibration."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         np.save(folder / f"{stem}.npy", self.raw)
+        kind_file(folder, stem).write_text(json.dumps({"format": KIND_FORMAT, "embedding": self.pooling}))
         if stem == STEM and self.calibration is not None:
             self.calibration.save(folder)
         elif stem == STEM:  # a calibration left from earlier vectors would no longer match them
@@ -154,7 +208,8 @@ class EmbeddingIndex:
 
     @classmethod
     def load(cls, folder: Path, stem: str = STEM, use_faiss: bool = True) -> EmbeddingIndex:
-        """Read ``<stem>.npy``, ``<stem>.faiss`` (when present and faiss is importable) and the calibration.
+        """Read ``<stem>.npy``, its pooling record, ``<stem>.faiss`` (when present and faiss is importable) and the
+        calibration.
 
         A faiss file that disagrees with the vectors (another size or width: files of two different
         builds) raises rather than answering searches over stale vectors.
@@ -175,7 +230,8 @@ class EmbeddingIndex:
                     "rebuild the index"
                 )
         calibration = Calibration.load(folder) if stem == STEM else None
-        return cls(raw, use_faiss=use_faiss, _index=index, calibration=calibration)
+        return cls(raw, use_faiss=use_faiss, _index=index, calibration=calibration,
+                   pooling=index_pooling(folder, stem))
 
 
 class IndexCache:
@@ -217,7 +273,8 @@ class IndexCache:
         # a symlinked client folder pointing elsewhere (another client's) is refused as well
         if folder.exists() and folder.resolve() != self.root.resolve() / client:
             raise RoutingError(f"client folder {folder} resolves outside {self.root}")
-        for path in (folder / f"{self.stem}.npy", folder / f"{self.stem}.faiss", folder / CALIBRATION_FILE):
+        for path in (folder / f"{self.stem}.npy", folder / f"{self.stem}.faiss", folder / CALIBRATION_FILE,
+                     kind_file(folder, self.stem)):
             if path.exists() and path.resolve().parent != folder.resolve():
                 raise RoutingError(f"{path} resolves outside the folder of client {client!r}")
         return folder

@@ -24,6 +24,14 @@ choice (``routing.embedding``), and ``clip=False`` drops the clipping.
 distance of the raw states; unbounded below, so with clipping ``a`` is 0 unless the states nearly
 coincide, and the paper states no scaling) or ``pearson`` (the cosine of the mean-centred states). In
 ``knn`` mode the S neighbours are the nearest by cosine; the chosen measure is then taken on them.
+``embedding`` is its Table 10 ablation, the pooling of the states (``routing.embedding``: ``last`` token
+or ``mean`` over the prompt's tokens); the client's index must hold vectors pooled the same way.
+
+The calibrated weighting is defined for the cosine and the paper's assignment (its references are
+cosine scores of the client's own and of background prompts, mapped so that the client's own task gets
+``lambda`` on its local adapter): combined with another similarity or the reference variant it is
+refused (:func:`resolve_weighting`), never silently changed. It composes with either pooling, since
+its calibration is computed from the index's own vectors.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 from routing.base import GLOBAL, RoutingDecision, RoutingError, local_name
 from routing.cache import EmbeddingIndex
 from routing.calibration import scores
+from routing.embedding import Pooling, check_pooling
 
 Mode = Literal["random", "knn"]
 Variant = Literal["paper", "reference"]
@@ -48,6 +57,46 @@ WEIGHTINGS: tuple[str, ...] = ("paper", "calibrated")
 # the others where the paper's rule does not (README, "Instance-wise weighting", measured figures).
 DEFAULT_WEIGHTING: Weighting = "calibrated"
 Similarity = Literal["cosine", "neg_l2", "pearson"]
+SIMILARITIES: tuple[str, ...] = ("cosine", "neg_l2", "pearson")
+VARIANTS: tuple[str, ...] = ("paper", "reference")
+
+
+def similarity_name(text: str) -> Similarity:
+    """The similarity a command line or environment names (``neg-l2`` and ``neg_l2`` alike).
+
+    Raises:
+        RoutingError: not one of cosine, neg-l2, pearson.
+    """
+    name = str(text).strip().lower().replace("-", "_")
+    if name not in SIMILARITIES:
+        raise RoutingError(f"FedDPA similarity must be cosine, neg-l2 or pearson, got {text!r}")
+    return name  # type: ignore[return-value]
+
+
+def ablated(similarity: str = "cosine", variant: str = "paper") -> list[str]:
+    """The options that leave the paper's rule as the calibrated weighting is defined (empty: none)."""
+    return ([f"similarity {similarity!r}"] if similarity != "cosine" else []) + \
+        ([f"variant {variant!r}"] if variant != "paper" else [])
+
+
+def resolve_weighting(rule: str | None, similarity: str = "cosine", variant: str = "paper") -> Weighting:
+    """The instance-wise rule to use: ``rule`` as given, or (None) the default one for these options.
+
+    The default is the calibrated rule; with another similarity or the reference variant (ablations of
+    the paper's rule, paper 000 Table 9 and the reference code) it is the paper's.
+
+    Raises:
+        RoutingError: ``calibrated`` asked for together with such an ablation (one line naming the fix).
+    """
+    other = ablated(similarity, variant)
+    if rule is None:
+        return "paper" if other else DEFAULT_WEIGHTING
+    if rule not in WEIGHTINGS:
+        raise RoutingError(f"FedDPA weighting must be one of {WEIGHTINGS}, got {rule!r}")
+    if rule == "calibrated" and other:
+        raise RoutingError(f"the calibrated FedDPA weighting is defined for cosine similarity and the paper variant, "
+                           f"not {' and '.join(other)}: use --feddpa-weighting paper with it")
+    return rule  # type: ignore[return-value]
 
 
 def similarities(query: np.ndarray, vectors: np.ndarray, kind: Similarity = "cosine") -> np.ndarray:
@@ -76,6 +125,8 @@ class FedDPARouter:
         weighting: ``paper`` (``lambda * mean cosine``) or ``calibrated`` (centred score mapped by the
             client's calibration; ``routing.calibration``).
         similarity: ``cosine`` (paper), ``neg_l2`` or ``pearson`` (paper 000 Table 9's ablation).
+        embedding: how the representation and the index's vectors are pooled: ``last`` token (paper) or
+            ``mean`` (Table 10); an index pooled otherwise is refused.
     """
 
     lambda_: float = 1.0
@@ -86,6 +137,7 @@ class FedDPARouter:
     variant: Variant = "paper"
     weighting: Weighting = "paper"
     similarity: Similarity = "cosine"
+    embedding: Pooling = "last"
     _rng: np.random.Generator = field(init=False, repr=False)
     # np.random.Generator is not thread-safe and the HTTP server routes from several threads
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
@@ -102,8 +154,10 @@ class FedDPARouter:
             raise RoutingError(f"FedDPA variant must be 'paper' or 'reference', got {self.variant!r}")
         if self.weighting not in WEIGHTINGS:
             raise RoutingError(f"FedDPA weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if self.similarity not in ("cosine", "neg_l2", "pearson"):
+        if self.similarity not in SIMILARITIES:
             raise RoutingError(f"FedDPA similarity must be cosine, neg_l2 or pearson, got {self.similarity!r}")
+        check_pooling(self.embedding)
+        resolve_weighting(self.weighting, self.similarity, self.variant)  # refuses calibrated + an ablation
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
 
     def decide(
@@ -127,8 +181,13 @@ class FedDPARouter:
             holds ``weighting``, ``statistic``, ``score``, ``own``, ``background``, ``lambda``, ``a``, ``variant``.
 
         Raises:
-            RoutingError: a representation of the wrong width or with NaN/inf.
+            RoutingError: a representation of the wrong width or with NaN/inf, or an index pooled
+                otherwise than ``embedding``.
         """
+        if index.pooling != self.embedding:
+            raise RoutingError(f"client {client!r}'s FedDPA index holds {index.pooling!r} embeddings, the request "
+                               f"was pooled {self.embedding!r}; rebuild it with `fedmosaic calibrate RUN_DIR "
+                               f"--feddpa-embedding {self.embedding}`")
         q = representation.detach().float().cpu().numpy() if isinstance(representation, torch.Tensor) \
             else np.asarray(representation, dtype=np.float32)
         if q.ndim == 2 and q.shape[0] == 1:
@@ -162,6 +221,8 @@ class FedDPARouter:
         }
         if self.similarity != "cosine":
             info["similarity"] = self.similarity
+        if self.embedding != "last":
+            info["embedding"] = self.embedding
         if s < self.S:
             info["note"] = f"S={self.S} exceeds the {len(index)} stored instances; used all {len(index)}"
         if self.weighting == "calibrated":
@@ -181,4 +242,6 @@ class FedDPARouter:
         weights = torch.tensor([1.0 - a, a] if self.variant == "paper" else [a, 1.0 - a], dtype=torch.float64)
         info = {"weighting": "calibrated", "statistic": cal.statistic, "score": score, "own": cal.own,
                 "background": cal.background, "lambda": float(self.lambda_), "a": a, "variant": self.variant}
+        if self.embedding != "last":
+            info["embedding"] = self.embedding
         return RoutingDecision((GLOBAL, local_name(client)), weights, info)

@@ -4,7 +4,8 @@ FedAMoLE (paper 002, section 4.2; METHODS.md 1.2) routes every token of client `
 experts assigned to ``c`` in each module (its token projection scores them, the top-k gates are
 renormalised, the shared expert adds at weight 1). A run's ``adapters/amole`` folder
 (:mod:`adapters.amole_io`) holds every expert, the token projections and each client's final
-assignment; there is no global adapter.
+assignment; there is no global adapter. A FedAMoLE-A folder (``router: vanilla``, paper 002 s5.5) holds
+vanilla MoLE routers instead of token projections, and its bundle routes with them.
 
 Here one loaded version of such a folder is an :class:`AMoLEBundle`: its experts live in the
 adapted layers under the adapter-name prefix ``<internal>/`` (``amole@2/expert_7``), its token
@@ -103,8 +104,11 @@ class AMoLEClientRoute:
         """The routing facts a response reports (no other client's data)."""
         b = self.bundle
         version = b.internal.rpartition("@")[2]
-        return {"client": self.client, "model": b.name, "version": int(version) if version.isdigit() else version,
+        info = {"client": self.client, "model": b.name, "version": int(version) if version.isdigit() else version,
                 "top_k": b.experts.top_k, "shared_expert": bool(b.experts.shared), "num_experts": b.num_experts}
+        if b.experts.router == "vanilla":  # FedAMoLE-A (paper 002 s5.5); AMoLE's answers keep their fields
+            info["router"] = "vanilla"
+        return info
 
 
 def load_bundle(adapted: AdaptedModel, folder: Path, name: str, internal: str, check_base: bool = True) -> AMoLEBundle:
@@ -134,7 +138,7 @@ def load_bundle(adapted: AdaptedModel, folder: Path, name: str, internal: str, c
         for n in added:
             adapted.delete_adapter(n)
         raise
-    experts = AMoLEExperts(prefix=prefix, token_proj=proj, top_k=data.top_k, shared=data.shared)
+    experts = AMoLEExperts(prefix=prefix, token_proj=proj, top_k=data.top_k, shared=data.shared, router=data.router)
     return AMoLEBundle(name=name, internal=internal, path=folder, num_experts=data.num_experts, experts=experts,
                        layers=data.layers, assignments=data.assignments)
 

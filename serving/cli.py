@@ -40,6 +40,16 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feddpa-weighting", choices=["paper", "calibrated", "fixed"], default=None,
                    help="<client> weighting: calibrated (default; README, 'Instance-wise weighting'), paper "
                         "(lambda * mean cosine) or fixed (the run's alpha); env FEDMOSAIC_SERVE_FEDDPA_WEIGHTING")
+    p.add_argument("--feddpa-similarity", choices=["cosine", "neg-l2", "pearson"], default=None,
+                   help="<client> instance-wise similarity: cosine (default), neg-l2 or pearson (paper 000 Table 9; "
+                        "default weighting then paper); env FEDMOSAIC_SERVE_FEDDPA_SIMILARITY")
+    p.add_argument("--feddpa-variant", choices=["paper", "reference"], default=None,
+                   help="paper: a weights the local adapter (default); reference: the FedDPA reference code, a "
+                        "weights the global adapter; env FEDMOSAIC_SERVE_FEDDPA_VARIANT")
+    p.add_argument("--feddpa-embedding", choices=["last", "mean"], default=None,
+                   help="the prompt's last-token state (default) or its mean over the tokens (paper 000 Table 10; "
+                        "`fedmosaic calibrate RUN --feddpa-embedding mean` first); "
+                        "env FEDMOSAIC_SERVE_FEDDPA_EMBEDDING")
 
 
 def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,6 +101,8 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "max_loras": "max_loras", "max_batch_size": "max_batch_size", "max_model_len": "max_model_len",
             "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
             "feddpa_routing": "feddpa_routing", "feddpa_weighting": "feddpa_weighting", "host": "host",
+            "feddpa_similarity": "feddpa_similarity", "feddpa_variant": "feddpa_variant",
+            "feddpa_embedding": "feddpa_embedding",
             "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
@@ -128,13 +140,14 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted."""
     import uvicorn
 
+    from routing.base import RoutingError
     from serving.access import AccessConfigError
     from serving.api import create_app
 
     settings = settings_from_args(args)
     try:
         app = create_app(settings)
-    except AccessConfigError as exc:
+    except (AccessConfigError, RoutingError) as exc:
         raise SystemExit(f"fedmosaic serve: {exc}") from exc
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
@@ -158,6 +171,7 @@ def add_batch_arguments(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_batch(args: argparse.Namespace) -> int:
     """Answer the batch file; print a JSON summary. Exit status 0 even when some lines failed."""
+    from routing.base import RoutingError
     from serving.api.app import stack_config
     from serving.batch import BatchConfig, run_batch
     from serving.stack import build_stack
@@ -172,7 +186,10 @@ def run_batch(args: argparse.Namespace) -> int:
             raise SystemExit(f"fedmosaic batch: --backend vllm runs on CUDA, but the device is {device} "
                              "(--device / FEDMOSAIC_DEVICE)") from exc
         raise SystemExit(f"fedmosaic batch: {exc}") from exc
-    stack = build_stack(stack_config(settings))
+    try:
+        stack = build_stack(stack_config(settings))
+    except RoutingError as exc:  # e.g. indexes pooled otherwise than --feddpa-embedding: one line, no traceback
+        raise SystemExit(f"fedmosaic batch: {exc}") from exc
     executor: Any = stack
     if backend == "vllm":
         export = Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="fedmosaic-levels-"))

@@ -328,7 +328,7 @@ class Engine(Lifecycle):
                 seq.filled = row.end
                 routing = seq.phase == "route"
                 try:
-                    if seq.filled == len(seq.ids) and self.prefilled(seq, out):
+                    if self.prefilled(seq, out):
                         done.append((seq, out))
                     elif routing and seq.phase == "fill":
                         rerouted.append(seq)

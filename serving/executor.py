@@ -31,12 +31,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RowOut:
-    """One row's share of a forward: logits (V,), state (H,), AMoLE counts (L, E), chunk logits (n, V)."""
+    """One row's share of a forward: logits (V,), state (H,), AMoLE counts (L, E), chunk logits (n, V), and
+    the sum (H,) of the final-layer states over the chunk's tokens (a mean-pooled FedDPA route adds them up)."""
 
     logits: torch.Tensor
     state: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     chunk_logits: torch.Tensor | None = None
+    state_sum: torch.Tensor | None = None
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -98,7 +100,8 @@ class Executor:
         counts = self._counts(out, [r.adapters for r in rows], last_token=True)
         return [RowOut(out.logits[b], out.states[b] if out.states is not None else None,
                        counts[b] if counts is not None else None,
-                       out.all_logits[b] if out.all_logits is not None else None) for b in range(len(rows))]
+                       out.all_logits[b] if out.all_logits is not None else None,
+                       out.state_sums[b] if out.state_sums is not None else None) for b in range(len(rows))]
 
     def _decode(self, rows: Sequence[DecodeRow]) -> list[RowOut]:
         adapters = [r.adapters for r in rows]

@@ -6,6 +6,10 @@ local-instance embeddings (``routing.cache``, a faiss index per client written a
 training); ``a = lambda * mean cosine``, clipped to [0, 1], weights ``<client>:local`` and ``1 - a``
 the global adapter. The ``calibrated`` rule (``routing.calibration``) maps the centred similarity with
 the client's calibration stored beside its index instead. Only the requested client's files are read.
+The paper 000 ablations (Table 9's similarity, Table 10's mean-token embedding, the reference code's
+assignment of ``a`` to the global adapter) are the router's options; with ``mean`` the engine hands over
+the mean of the prompt's final-layer states (``pooling``) and every client's index must hold
+mean-pooled vectors (:meth:`InstanceWeightRouter.check_run`).
 
 In ``random`` mode with a seed, the S instances of a request are drawn from a generator seeded by
 (seed, client, the prompt's state): still a uniform draw per request, but the same prompt draws the
@@ -25,7 +29,7 @@ import numpy as np
 import torch
 
 from routing.base import RoutingDecision
-from routing.cache import IndexCache
+from routing.cache import IndexCache, check_index_pooling
 from routing.feddpa import FedDPARouter
 
 
@@ -47,17 +51,35 @@ class InstanceWeightRouter:
     version_of: Callable[[str], int | None] | None = None
     uses_state: bool = field(default=True, init=False)
 
+    @property
+    def pooling(self) -> str:
+        """How the engine pools the prompt's final-layer states for this router: ``last`` or ``mean``."""
+        return self.router.embedding
+
     @classmethod
     def for_run(cls, run_dir: Path, lambda_: float, S: int = 5, mode: str = "random", seed: int | None = 0,
                 version: int = 0, version_of: Callable[[str], int | None] | None = None,
-                weighting: str = "paper") -> InstanceWeightRouter:
+                weighting: str = "paper", similarity: str = "cosine", variant: str = "paper",
+                embedding: str = "last") -> InstanceWeightRouter:
         """Build from a run directory's ``adapters/clients/<id>/embeddings.*`` files.
 
         ``weighting`` is ``paper`` or ``calibrated`` (``routing.calibration``; needs each client's
-        ``embeddings.calibration.json``, else that client is weighted by the paper's rule).
+        ``embeddings.calibration.json``, else that client is weighted by the paper's rule);
+        ``similarity``, ``variant`` and ``embedding`` are :class:`~routing.feddpa.FedDPARouter`'s.
+
+        Raises:
+            RoutingError: bad options, calibrated combined with an ablation of the paper's rule, or a
+                client whose index was pooled otherwise than ``embedding`` (the message names the fix).
         """
-        return cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed, weighting=weighting),  # type: ignore[arg-type]
-                   IndexCache.for_run(run_dir), version, version_of)
+        router = cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed, weighting=weighting,  # type: ignore[arg-type]
+                                  similarity=similarity, variant=variant, embedding=embedding),  # type: ignore[arg-type]
+                     IndexCache.for_run(run_dir), version, version_of)
+        router.check_run(run_dir)
+        return router
+
+    def check_run(self, run_dir: Path) -> None:
+        """Refuse, before any request, a run whose client indexes were pooled otherwise than the router's."""
+        check_run_pooling(run_dir, self.router.embedding)
 
     def cache_key(self, client: str) -> str:
         """The index cache's version key of ``client``: the router's version and its adapter's."""
@@ -73,3 +95,14 @@ class InstanceWeightRouter:
             generator = np.random.default_rng([self.router.seed, zlib.crc32(client.encode()), zlib.crc32(state)])
         decision = self.router.decide(hidden_state, self.cache.get(client, self.cache_key(client)), generator, client)
         return RoutingDecision(decision.names, decision.weights, {**dict(decision.info), "source": "instance"})
+
+
+def check_run_pooling(run_dir: Path, embedding: str) -> None:
+    """Refuse routing ``run_dir``'s clients with ``embedding`` pooling when an index was pooled otherwise.
+
+    Raises:
+        RoutingError: one line naming the clients and ``fedmosaic calibrate RUN --feddpa-embedding ...``.
+    """
+    root = IndexCache.for_run(run_dir).root
+    folders = {p.name: p for p in sorted(root.iterdir()) if p.is_dir()} if root.is_dir() else {}
+    check_index_pooling(folders, embedding, run_dir)

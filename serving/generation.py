@@ -142,7 +142,8 @@ def plan_weights(stack: ServingStack, plan: TargetPlan, internal: Sequence[str],
     """Per-prompt ``(weights (K,), info)`` of ``plan``: its fixed weights, or its routing hook's.
 
     A routed plan is run as the engine runs it: each prompt is prefilled alone with the plan's
-    ``prefill_weights`` and the final-layer state of its last token goes to ``weight_fn``.
+    ``prefill_weights`` and the final-layer state of its last token (or their mean, ``plan.pooling``)
+    goes to ``weight_fn``.
 
     Args:
         stack: the serving stack whose model runs the prefills.
@@ -163,7 +164,9 @@ def plan_weights(stack: ServingStack, plan: TargetPlan, internal: Sequence[str],
             ids = ids.to(device)
             with stack.adapted.context.use(tuple(internal), first), loaded.autocast():
                 out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)  # type: ignore[operator]
-            weights, info = plan.weight_fn(out.hidden_states[-1][0, -1].float())  # state (H,)
+            hidden = out.hidden_states[-1]  # (1, T, H): one prompt, no padding
+            state = hidden[0].float().mean(dim=0) if plan.pooling == "mean" else hidden[0, -1].float()  # (H,)
+            weights, info = plan.weight_fn(state)
             rows.append((tuple(float(w) for w in weights), dict(info)))
     return rows
 

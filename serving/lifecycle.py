@@ -124,7 +124,7 @@ class Lifecycle:
     def begin_prefill(self, seq: Sequence) -> None:
         """Enter the first prefill phase (``route`` for a routed request, else ``fill``)."""
         req = seq.handle.request
-        seq.filled = 0
+        seq.filled, seq.state_sum = 0, None
         if seq.amole is not None:
             index = {p: i for i, p in enumerate(getattr(self.adapted, "layers", {}))}
             seq.layer_idx = torch.tensor([index[p] for p in seq.amole.bundle.layers])
@@ -136,16 +136,25 @@ class Lifecycle:
             seq.phase, seq.adapters = "fill", self.row_adapters(seq, tuple(req.adapter_weights))
 
     def prefilled(self, seq: Sequence, out: RowOut) -> bool:
-        """The prompt went through its current phase; True when its first token is sampled from ``out``.
+        """A chunk of the prompt went through; True when its first token is sampled from ``out``.
+
+        A routing pass adds up the chunks' final-layer states; once the whole prompt went through,
+        ``weight_fn`` gets the last token's state or their mean (``state_pooling``).
 
         Raises:
             Whatever ``weight_fn`` raises, and InvalidRequest when it returns the wrong number of
             weights; the engine fails the sequence with it.
         """
         req = seq.handle.request
+        if seq.phase == "route" and req.state_pooling == "mean":
+            assert out.state_sum is not None
+            seq.state_sum = out.state_sum if seq.state_sum is None else seq.state_sum + out.state_sum
+        if seq.filled < len(seq.ids):
+            return False
         if seq.phase == "route":
             assert req.weight_fn is not None and out.state is not None
-            routed, info = req.weight_fn(out.state.cpu())
+            state = out.state if req.state_pooling == "last" else seq.state_sum / len(seq.ids)  # type: ignore[operator]
+            routed, info = req.weight_fn(state.cpu())
             weights = tuple(float(w) for w in routed)
             if len(weights) != len(req.adapter_names):
                 raise InvalidRequest(f"weight_fn returned {len(weights)} weights for {req.adapter_names}")

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
-# (H,) float32 final-layer state of the prompt's last token -> (adapter weights (K,), info for the response)
+# (H,) float32 final-layer state of the prompt's last token (or the mean over its tokens, ``state_pooling``)
+# -> (adapter weights (K,), info for the response)
 WeightFn = Callable[[torch.Tensor], tuple[Sequence[float], Mapping[str, Any]]]
 
 
@@ -53,6 +54,8 @@ class GenerationRequest:
             the prompt's KV cache and the first token use them too (2x prefill cost, exact FedDPA).
         route: an AMoLE client's route (what a pool lease hands out, paper 002 section 4.2): every
             token is routed over that client's experts; no plain adapters and no ``weight_fn`` then.
+        state_pooling: the state ``weight_fn`` gets: the last prompt token's (``last``) or the mean of
+            the final-layer states over the prompt's tokens (``mean``, paper 000 Table 10).
     """
 
     prompt: str | None = None
@@ -65,8 +68,11 @@ class GenerationRequest:
     prefill_weights: tuple[float, ...] | None = None
     exact_prefill: bool = False
     route: AMoLEClientRoute | None = field(default=None, compare=False)
+    state_pooling: Literal["last", "mean"] = "last"
 
     def __post_init__(self) -> None:
+        if self.state_pooling not in ("last", "mean"):
+            raise ValueError(f"state_pooling must be 'last' or 'mean', got {self.state_pooling!r}")
         if self.prompt is None and self.prompt_ids is None:
             raise ValueError("a request needs prompt or prompt_ids")
         if self.prompt_ids is not None and len(self.prompt_ids) == 0:

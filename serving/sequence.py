@@ -48,6 +48,7 @@ class Sequence:
     layer_idx: torch.Tensor | None = None  # the bundle's layers among the engine's layer paths
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    state_sum: torch.Tensor | None = None  # (H,) final-layer states summed over the routed prompt so far
 
     @property
     def request_id(self) -> str:

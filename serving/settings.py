@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Keys = Annotated[list[str], NoDecode]  # from the environment: a JSON list or comma-separated
@@ -72,19 +72,46 @@ class ServeSettings(BaseSettings):
     )
     feddpa_samples: int = Field(5, ge=1, description="S, local instances compared per request")
     feddpa_mode: str = Field("random", pattern="^(random|knn)$", description="random S (paper) or the S nearest")
+    feddpa_similarity: str = Field(
+        "cosine", description="similarity of the prompt to the client's instances: cosine (paper), neg-l2 or pearson "
+        "(paper 000 Table 9); with neg-l2 or pearson the default weighting is paper")
+    feddpa_variant: str = Field(
+        "paper", pattern="^(paper|reference)$", description="paper: a weights the local adapter; reference: the "
+        "FedDPA reference code's assignment, a weights the global adapter (default weighting then paper)")
+    feddpa_embedding: str = Field(
+        "last", pattern="^(last|mean)$", description="the prompt's final-layer state: last token (paper) or mean "
+        "over its tokens (paper 000 Table 10; needs indexes rebuilt by `fedmosaic calibrate --feddpa-embedding mean`)")
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 
     def feddpa_plan(self) -> tuple[str, str]:
-        """``(routing, rule)`` for the stack: ``feddpa_weighting`` wins over the older ``feddpa_routing``."""
-        from routing.feddpa import DEFAULT_WEIGHTING
+        """``(routing, rule)`` for the stack: ``feddpa_weighting`` wins over the older ``feddpa_routing``.
 
-        if self.feddpa_weighting is None:
-            return self.feddpa_routing, DEFAULT_WEIGHTING
+        Without a weighting, the rule is the calibrated one, or the paper's for an ablation of it
+        (``routing.feddpa.resolve_weighting``).
+        """
+        from routing.feddpa import DEFAULT_WEIGHTING, resolve_weighting
+
         if self.feddpa_weighting == "fixed":
             return "fixed", DEFAULT_WEIGHTING
-        return "instance", self.feddpa_weighting
+        rule = resolve_weighting(self.feddpa_weighting, self.feddpa_similarity, self.feddpa_variant)
+        return (self.feddpa_routing if self.feddpa_weighting is None else "instance"), rule
+
+    @field_validator("feddpa_similarity", mode="before")
+    @classmethod
+    def _similarity(cls, value: Any) -> Any:
+        """``neg-l2`` (the command line's spelling) and ``neg_l2`` alike; anything else is refused."""
+        from routing.feddpa import similarity_name
+
+        return similarity_name(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _feddpa_rule(self) -> ServeSettings:
+        """Refuse the calibrated weighting with an ablation of the paper's rule here, before anything loads."""
+        if self.feddpa_weighting != "fixed":
+            self.feddpa_plan()
+        return self
 
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod

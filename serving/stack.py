@@ -25,7 +25,8 @@ from typing import Any, Literal
 from adapters import AdaptedModel, inject
 from models import LoadedModel, load_base_model
 from routing.base import local_name
-from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS
+from routing.embedding import POOLINGS
+from routing.feddpa import DEFAULT_WEIGHTING, SIMILARITIES, VARIANTS, WEIGHTINGS, resolve_weighting
 from serving.adapter_pool import AdapterPool, Lease, RunInfo
 from serving.engine import Engine, EngineConfig
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
@@ -57,6 +58,11 @@ class StackConfig:
             (``routing.calibration``, the default).
         feddpa_samples: S, local instances compared per request.
         feddpa_mode: ``random`` S (paper) or the S nearest (``knn``).
+        feddpa_similarity: ``cosine`` (paper), ``neg_l2`` or ``pearson`` (paper 000 Table 9).
+        feddpa_variant: ``paper`` (``a`` weights the local adapter) or ``reference`` (the reference code:
+            ``a`` weights the global adapter).
+        feddpa_embedding: the prompt's ``last`` token state (paper) or the ``mean`` over its tokens (Table 10);
+            the run's indexes must be pooled the same way (``fedmosaic calibrate --feddpa-embedding``).
         default_alpha: the fixed local weight when the run records none.
         check_base: refuse adapters trained on another base model.
     """
@@ -75,6 +81,9 @@ class StackConfig:
     feddpa_weighting: Literal["paper", "calibrated"] = DEFAULT_WEIGHTING
     feddpa_samples: int = 5
     feddpa_mode: Literal["random", "knn"] = "random"
+    feddpa_similarity: Literal["cosine", "neg_l2", "pearson"] = "cosine"
+    feddpa_variant: Literal["paper", "reference"] = "paper"
+    feddpa_embedding: Literal["last", "mean"] = "last"
     default_alpha: float = 0.5
     check_base: bool = True
 
@@ -83,6 +92,12 @@ class StackConfig:
             raise ValueError(f"feddpa_routing must be 'instance' or 'fixed', got {self.feddpa_routing!r}")
         if self.feddpa_weighting not in WEIGHTINGS:
             raise ValueError(f"feddpa_weighting must be one of {WEIGHTINGS}, got {self.feddpa_weighting!r}")
+        for name, allowed in (("feddpa_similarity", SIMILARITIES), ("feddpa_variant", VARIANTS),
+                              ("feddpa_embedding", POOLINGS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.feddpa_routing == "instance":  # the calibrated rule with an ablation of the paper's: refused
+            resolve_weighting(self.feddpa_weighting, self.feddpa_similarity, self.feddpa_variant)
         bad = [s for s in self.adapters if "=" not in s or not s.partition("=")[0] or not s.partition("=")[2]]
         if bad:
             raise ValueError(f"adapters must be given as name=folder, got {bad}")
@@ -155,7 +170,7 @@ def request_for(plan: TargetPlan, lease: Lease | None, job: Job, request_id: str
     return GenerationRequest(
         prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
         adapter_names=lease.names if lease is not None else (), adapter_weights=plan.weights,
-        weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights,
+        weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights, state_pooling=plan.pooling,  # type: ignore[arg-type]
         exact_prefill=job.exact_prefill and plan.weight_fn is not None, **extra)
 
 
@@ -275,7 +290,9 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
 
         router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, S=config.feddpa_samples,
                                               mode=config.feddpa_mode, weighting=config.feddpa_weighting,
-                                              version_of=lambda client: pool.version(local_name(client)))
+                                              version_of=lambda client: pool.version(local_name(client)),
+                                              similarity=config.feddpa_similarity, variant=config.feddpa_variant,
+                                              embedding=config.feddpa_embedding)
         routing = "instance"
         if config.feddpa_weighting == "calibrated" and not _has_calibration(run):
             logger.warning("run %s has no FedDPA calibration: <client> targets use the paper's rule; "
@@ -287,6 +304,9 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
             "feddpa_mode": config.feddpa_mode}
     if routing == "instance":
         info["feddpa_weighting"] = config.feddpa_weighting
+        # only when ablated: the default's info (an evaluation's cache tag) stays as it was
+        info.update({k: getattr(config, k) for k, default in (("feddpa_similarity", "cosine"),
+                     ("feddpa_variant", "paper"), ("feddpa_embedding", "last")) if getattr(config, k) != default})
     return ServingStack(config, loaded, adapted, engine, pool, resolver, run, routing, info)
 
 

@@ -50,6 +50,8 @@ class TargetPlan:
         weight_fn: the routing hook given to the engine, or None.
         info: routing facts for the response (the engine's, when it routes, replace them).
         client: the personalised client served (``feddpa`` and ``amole``), else None.
+        pooling: the prompt state ``weight_fn`` reads: the last token's (``last``) or the mean over the
+            prompt's tokens (``mean``, a router declaring ``pooling = "mean"``).
     """
 
     mode: str
@@ -59,6 +61,7 @@ class TargetPlan:
     weight_fn: WeightFn | None = None
     info: Mapping[str, Any] | None = None
     client: str | None = None
+    pooling: str = "last"
 
 
 class TargetResolver:
@@ -159,7 +162,8 @@ class TargetResolver:
             decision = router(client, state)
             return _weights_for(names, decision), decision.info
 
-        return TargetPlan("feddpa", names, (1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route, client=client)
+        return TargetPlan("feddpa", names, (1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route, client=client,
+                          pooling=str(getattr(router, "pooling", "last")))
 
 
 def _weights_for(names: Sequence[str], decision: RoutingDecision) -> tuple[float, ...]:

@@ -49,16 +49,27 @@ def save_instance_index(rt: Runtime, client: ClientData, folder: Path) -> None:
 
     The prompts are formatted exactly as training formatted them, so serving's request embedding (same
     template, same adapter) is comparable. The index is saved with its calibration, its files written
-    durably (:mod:`training.durable`).
+    durably (:mod:`training.durable`). Training embeds the last token, as the paper; ``fedmosaic calibrate
+    --feddpa-embedding mean`` rebuilds the index mean-pooled.
     """
-    prompts = prompt_texts(client.train, rt.tokenizer, PromptConfig(rt.train.prompt_style))  # type: ignore[arg-type]
+    prompts = instance_prompts(client, rt.tokenizer, rt.train.prompt_style)
     vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
     generic = background_prompts(rt.tokenizer, rt.train.prompt_style)
     background = embed_prompts(rt.model, rt.adapted, rt.tokenizer, generic, ("global",), autocast=rt.loaded.autocast)
     calibration = calibrate(vecs, background, background_id=background_id())
+    write_index(EmbeddingIndex(vecs, calibration=calibration), folder)
+
+
+def instance_prompts(client: ClientData, tokenizer: Any, style: str) -> list[str]:
+    """``client``'s training instances as the prompts its index embeds (the run's template, as in training)."""
+    return prompt_texts(client.train, tokenizer, PromptConfig(style))  # type: ignore[arg-type]
+
+
+def write_index(index: EmbeddingIndex, folder: Path) -> None:
+    """Save ``index`` (vectors, pooling record, faiss file, calibration) into ``folder``, every file durably."""
     staging = Path(tempfile.mkdtemp(prefix=durable.TMP_PREFIX))
     try:
-        EmbeddingIndex(vecs, calibration=calibration).save(staging)
+        index.save(staging)
         for f in sorted(staging.iterdir()):
             durable.write_file(Path(folder) / f.name, lambda tmp, src=f: shutil.copyfile(src, tmp))
     finally:

@@ -42,6 +42,7 @@ __all__ = [
     "scores_source",
     "selection_probabilities",
     "server_expert_embeddings",
+    "vanilla_relevance",
 ]
 
 Assignment = Literal["rsea", "static", "random"]
@@ -76,6 +77,10 @@ class AMoLEConfig:
             uploaded client and expert embedding (the Gaussian mechanism of Wei et al. 2020, which
             paper 002 C.2 cites); 0 is off. Training is unchanged; only the relevance scores, and
             so the next round's assignment, see the noise.
+        router: ``amole`` (the paper's shape-invariant gate) or ``vanilla`` (FedAMoLE-A, section 5.5: a
+            linear MoLE router over all N_e experts per module, top-k among the assigned ones; the
+            relevance of expert j to client i is then the router's mean logit for j over the client's
+            embedding set, :func:`vanilla_relevance`).
     """
 
     num_experts: int = 30
@@ -92,6 +97,7 @@ class AMoLEConfig:
     dp_eta: float = 100.0
     embed_noise: float = 0.0
     export: str = "aggregated"
+    router: str = "amole"
 
     def __post_init__(self) -> None:
         for name in ("shared_expert", "homogeneous", "dp_noise"):
@@ -111,6 +117,8 @@ class AMoLEConfig:
             raise ValueError(f"load_balance_alpha must be >= 0, got {self.load_balance_alpha}")
         if self.assignment not in ("rsea", "static", "random"):
             raise ValueError(f"assignment must be rsea, static or random, got {self.assignment!r}")
+        if self.router not in ("amole", "vanilla"):
+            raise ValueError(f"router must be amole or vanilla (FedAMoLE-A), got {self.router!r}")
         if self.export not in ("aggregated", "local"):
             raise ValueError(f"export must be aggregated or local, got {self.export!r}")
         if self.solver not in ("highs", "scip"):
@@ -178,6 +186,16 @@ def server_expert_embeddings(
 def relevance_scores(expert_emb: torch.Tensor, client_emb: torch.Tensor) -> torch.Tensor:
     """``s_{j,i} = e_j . c_i / sqrt(r)`` (20): (N_e, r), (N_c, r) -> (N_e, N_c)."""
     return expert_emb @ client_emb.T / math.sqrt(expert_emb.shape[-1])
+
+
+def vanilla_relevance(client_logits: torch.Tensor) -> torch.Tensor:
+    """FedAMoLE-A's relevance: ``s_{j,i} = mean_t W_j . h_t`` over client i's embedding set: (N_c, N_e) -> (N_e, N_c).
+
+    The vanilla router has no token projection to embed tokens with (eq. (17)); the analogue of (20),
+    ``mean_t`` of the score expert j gets for client i's tokens, is the router's own mean logit, which each
+    client computes as its "client embedding" (the mean of ``W h``, one value per expert).
+    """
+    return client_logits.T
 
 
 def selection_probabilities(scores: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class EmbeddingAccumulator:
 
         Args:
             h_tokens: (..., d) hidden states at the module's input.
-            P: (r, d) token projection.
+            P: (r, d) token projection (FedAMoLE-A: the (N_e, d) vanilla router, whose mean logits it keeps).
             A_assigned: (E, r, d) the client's assigned experts' A, in a fixed order.
             mask: optional bool mask over the leading dims of ``h_tokens``; False = padding.
         """
@@ -52,10 +52,10 @@ class EmbeddingAccumulator:
         n = h.shape[0]
         if n == 0:
             return
-        tok = (h @ P.T).double()  # (n, r)
+        tok = (h @ P.T).double()  # (n, r), or (n, N_e) for a vanilla router
         exp = (h @ A_assigned.reshape(E * r, d).T).double().view(n, E, r)  # (n, E, r)
         if self._tok_sum is None:
-            self._tok_sum = tok.new_zeros(r)
+            self._tok_sum = tok.new_zeros(tok.shape[1])
             self._exp_sum = exp.new_zeros(E, r)
             self._max_exp_norms = exp.new_zeros(E)
         assert self._exp_sum is not None and self._max_exp_norms is not None

@@ -41,6 +41,15 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--feddpa-samples", type=int, default=5, help="S, local instances per example (instance-wise)")
     p.add_argument("--feddpa-mode", choices=["random", "knn"], default="random",
                    help="random S instances (paper) or the S nearest")
+    p.add_argument("--feddpa-similarity", choices=["cosine", "neg-l2", "pearson"], default="cosine",
+                   help="instance-wise similarity: cosine (paper), neg-l2 or pearson (paper 000 Table 9; the default "
+                        "weighting is then paper, calibrated is refused)")
+    p.add_argument("--feddpa-variant", choices=["paper", "reference"], default="paper",
+                   help="paper: a weights the local adapter; reference: the FedDPA reference code, a weights the "
+                        "global adapter (the default weighting is then paper)")
+    p.add_argument("--feddpa-embedding", choices=["last", "mean"], default="last",
+                   help="the prompt's last-token state (paper) or its mean over the tokens (paper 000 Table 10); "
+                        "mean needs the run's indexes rebuilt: `fedmosaic calibrate RUN --feddpa-embedding mean`")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     p.add_argument("--compare", action="store_true", help="only tabulate already-evaluated runs side by side")
@@ -64,7 +73,9 @@ def _evaluate(args: argparse.Namespace) -> int:
                        batch_size=args.batch_size, metric=args.metric, data=args.data, test=args.test, model=args.model,
                        per_round=args.per_round, dtype=args.dtype, device=args.device,
                        feddpa_weights=args.feddpa_weights, feddpa_weighting=args.feddpa_weighting,
-                       feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode)
+                       feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode,
+                       feddpa_similarity=args.feddpa_similarity, feddpa_variant=args.feddpa_variant,
+                       feddpa_embedding=args.feddpa_embedding)
     for d in args.run_dirs:
         print(evaluate_run(d, opts)["markdown"])
     return 0

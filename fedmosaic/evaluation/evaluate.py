@@ -33,6 +33,8 @@ from fedmosaic.evaluation.predictions import PredictionCache, make_row
 from fedmosaic.evaluation.stack_backend import open_backend
 from fedmosaic.evaluation.testsets import TestSet
 from fedmosaic.evaluation.weights import weight_outputs
+from routing.embedding import check_pooling
+from routing.feddpa import VARIANTS, similarity_name
 from training.data import FederatedDataset, PromptConfig, prompt_texts
 
 
@@ -60,6 +62,10 @@ class EvalOptions:
             ``fixed``); None: ``feddpa_weights`` decides, with the default rule (calibrated).
         feddpa_samples: S, local instances compared per example (instance-wise).
         feddpa_mode: ``random`` S instances (paper) or the S nearest (``knn``, order-independent).
+        feddpa_similarity: ``cosine`` (paper), ``neg_l2`` (``neg-l2`` accepted) or ``pearson`` (paper 000
+            Table 9); with an ablation and no ``feddpa_weighting`` the rule is the paper's.
+        feddpa_variant: ``paper`` (``a`` weights the local adapter) or ``reference`` (the global one).
+        feddpa_embedding: ``last`` token state (paper) or ``mean`` over the prompt's tokens (Table 10).
     """
 
     limit: int | None = None
@@ -77,8 +83,15 @@ class EvalOptions:
     feddpa_weighting: str | None = None
     feddpa_samples: int = 5
     feddpa_mode: str = "random"
+    feddpa_similarity: str = "cosine"
+    feddpa_variant: str = "paper"
+    feddpa_embedding: str = "last"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feddpa_similarity", similarity_name(self.feddpa_similarity))
+        if self.feddpa_variant not in VARIANTS:
+            raise ValueError(f"feddpa_variant must be one of {VARIANTS}, got {self.feddpa_variant!r}")
+        check_pooling(self.feddpa_embedding)
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
         if self.limit is not None and self.limit < 1:
@@ -144,7 +157,9 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, device=opts.device,
                                max_new_tokens=opts.max_new_tokens,
                                num_beams=opts.num_beams, batch_size=opts.batch_size, weighting=opts.feddpa_weights,
-                               samples=opts.feddpa_samples, mode=opts.feddpa_mode, rule=opts.feddpa_weighting)
+                               samples=opts.feddpa_samples, mode=opts.feddpa_mode, rule=opts.feddpa_weighting,
+                               similarity=opts.feddpa_similarity, variant=opts.feddpa_variant,
+                               embedding=opts.feddpa_embedding)
     targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)
     clients = [c for c in dataset.client_ids if c in targets]
     if not clients:  # a backend that serves neither a client nor the global model: nothing personalised

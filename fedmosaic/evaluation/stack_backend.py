@@ -29,7 +29,7 @@ from adapters.rundir import RunDir
 from fedmosaic.evaluation.backend import WEIGHTING, EvalItem
 from fedmosaic.evaluation.predictions import Prediction
 from routing.calibration import CALIBRATION_FILE
-from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS
+from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS, resolve_weighting
 from serving.engine import EngineConfig
 from serving.generation import GenerationConfig, generate_target
 from serving.sampling import SamplingParams
@@ -160,23 +160,28 @@ def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
 
 def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, dtype: str | None = None,
                  device: str | None = None, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8,
-                 weighting: str = "auto", samples: int = 5, mode: str = "random", rule: str | None = None
-                 ) -> StackBackend:
+                 weighting: str = "auto", samples: int = 5, mode: str = "random", rule: str | None = None,
+                 similarity: str = "cosine", variant: str = "paper", embedding: str = "last") -> StackBackend:
     """Build the serving stack over ``run`` and wrap it for evaluation.
 
     ``rule`` (``--feddpa-weighting``): ``paper`` or ``calibrated`` ask for instance-wise weights with
-    that rule, ``fixed`` for the fixed weight; None leaves ``weighting`` to decide, with the default rule.
+    that rule, ``fixed`` for the fixed weight; None leaves ``weighting`` to decide, with the default rule
+    (the paper's for an ablation of it: ``similarity`` other than cosine, ``variant`` reference).
+    ``embedding`` (``last`` or ``mean``) must match how the run's indexes were pooled.
 
     Raises:
         ValueError: ``calibrated`` asked for but a client's calibration file is missing (with no rule
             given, such a run is evaluated with the paper's rule).
+        RoutingError: ``calibrated`` asked for with an ablation of the paper's rule, or indexes pooled
+            otherwise than ``embedding`` (the message names `fedmosaic calibrate`).
     """
     if rule == "fixed":
         weighting = "fixed"
     elif rule is not None and weighting == "auto":
         weighting = "instance"
     routing = feddpa_routing(cfg, run, weighting)
-    chosen = rule if rule in WEIGHTINGS else DEFAULT_WEIGHTING
+    chosen = resolve_weighting(rule if rule in WEIGHTINGS else None, similarity, variant) \
+        if routing == "instance" else DEFAULT_WEIGHTING
     missing = [c for c in run.clients()
                if run.embeddings(c).is_file() and not (run.client_dir(c) / CALIBRATION_FILE).is_file()]
     if routing == "instance" and chosen == "calibrated" and missing:
@@ -193,6 +198,7 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
         max_loras=len(run.clients()) + 4,
         engine=EngineConfig(max_batch_size=batch_size, max_model_len=_NO_LIMIT, max_waiting=max(64, 4 * batch_size)),
         feddpa_routing=routing, feddpa_weighting=chosen, feddpa_samples=samples, feddpa_mode=mode,  # type: ignore[arg-type]
+        feddpa_similarity=similarity, feddpa_variant=variant, feddpa_embedding=embedding,  # type: ignore[arg-type]
         check_base=False)
     stack = build_stack(config)
     if routing == "instance" and stack.routing != "instance":

@@ -23,6 +23,7 @@ from serving.api import errors, openapi
 from serving.api.dependencies import ServerState
 from serving.api.routes import adapters, chat, completions, health, models, run_files
 from serving.engine import EngineConfig
+from serving.feddpa_router import check_run_pooling
 from serving.settings import ServeSettings
 from serving.stack import StackConfig, build_stack
 from serving.targets import WeightRouter
@@ -42,6 +43,8 @@ def stack_config(settings: ServeSettings) -> StackConfig:
                                                    request_timeout_s=s.request_timeout_s),
         feddpa_routing=routing, feddpa_weighting=weighting,  # type: ignore[arg-type]
         feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]
+        feddpa_similarity=s.feddpa_similarity, feddpa_variant=s.feddpa_variant,  # type: ignore[arg-type]
+        feddpa_embedding=s.feddpa_embedding,  # type: ignore[arg-type]
         default_alpha=s.default_alpha, check_base=s.check_base)
 
 
@@ -140,8 +143,12 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
 
     Raises:
         AccessConfigError: a key file or the key binding file is unreadable or malformed.
+        RoutingError: the run's FedDPA indexes were pooled otherwise than ``feddpa_embedding`` asks
+            (checked here, so the server refuses to start instead of failing every request).
     """
     settings = settings or ServeSettings()
+    if settings.run_dir is not None and router is None and settings.feddpa_plan()[0] == "instance":
+        check_run_pooling(settings.run_dir, settings.feddpa_embedding)
     keys = KeyRing.build(settings.api_keys, settings.admin_keys, settings.api_key_file, settings.admin_key_file,
                          settings.key_bindings)
     if keys.open and settings.host not in ("127.0.0.1", "localhost", "::1"):

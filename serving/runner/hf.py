@@ -114,7 +114,7 @@ class HFRunner:
 
     def _run(self, rows: Sequence[RowAdapters], ids: torch.Tensor, pos: torch.Tensor, write_slots: torch.Tensor,
              write_pos: torch.Tensor, read_slots: torch.Tensor, key_limit: torch.Tensor, length: int,
-             want_state: bool, every: Sequence[int] = ()) -> StepOutput:
+             want_state: bool, every: Sequence[int] = (), lengths: Sequence[int] = ()) -> StepOutput:
         recorder = ExpertRecorder() if any(not r.plain for r in rows) else None
         cache = SlotCache(self.kv, write_slots, write_pos, read_slots, length)
         mask = self._mask(pos, key_limit, length)
@@ -125,7 +125,13 @@ class HFRunner:
         # left padding: row b's n_b real positions are the last n_b columns
         all_logits = [out.logits[b, out.logits.shape[1] - n:] if n else None for b, n in enumerate(every)] \
             if any(every) else None
-        return StepOutput(logits=out.logits[:, -1], states=states, recorder=recorder, all_logits=all_logits)
+        sums = None
+        if want_state:
+            hidden, T = out.hidden_states[-1], out.hidden_states[-1].shape[1]
+            real = torch.arange(T, device=hidden.device) >= T - torch.tensor(lengths, device=hidden.device)[:, None]
+            sums = (hidden.float() * real.unsqueeze(-1)).sum(dim=1)  # (B, H) over each row's chunk tokens
+        return StepOutput(logits=out.logits[:, -1], states=states, recorder=recorder, all_logits=all_logits,
+                          state_sums=sums)
 
     def prefill(self, rows: Sequence[PrefillRow]) -> StepOutput:
         """Run every row's chunk (left-padded into one batch); logits and states at each last token."""
@@ -144,7 +150,7 @@ class HFRunner:
             torch.tensor(wslot, device=dev).view(-1), torch.tensor(wpos, device=dev).view(-1),
             torch.tensor([r.slot for r in rows], device=dev), torch.tensor([r.end for r in rows], device=dev),
             max(r.end for r in rows), any(r.want_state for r in rows),
-            [len(r.tokens) if r.all_logits else 0 for r in rows])
+            [len(r.tokens) if r.all_logits else 0 for r in rows], [len(r.tokens) for r in rows])
 
     def decode(self, rows: Sequence[DecodeRow]) -> StepOutput:
         """One token per row."""

@@ -37,7 +37,8 @@ class PrefillRow:
         tokens: the chunk's token ids (at least one).
         start: position of ``tokens[0]`` (the slot already holds ``start`` positions).
         adapters: weights of this pass.
-        want_state: return the final-layer state of the chunk's last token (FedDPA routing).
+        want_state: return the final-layer state of the chunk's last token and the sum of the states over
+            the chunk's tokens (FedDPA routing on the last token or the mean).
         all_logits: return the logits of every position of the chunk (prompt log-probabilities).
     """
 
@@ -73,6 +74,7 @@ class StepOutput:
         states: (B, H) float32 final-layer states of the last tokens, when asked for.
         recorder: the AMoLE expert recorder of the forward, when AMoLE rows took part.
         all_logits: per row, (n, V) logits of every chunk position for rows that asked, else None.
+        state_sums: (B, H) float32 sums of the final-layer states over each row's chunk tokens, with ``states``.
     """
 
     logits: torch.Tensor
@@ -80,3 +82,4 @@ class StepOutput:
     recorder: Any = None
     all_logits: list[torch.Tensor | None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    state_sums: torch.Tensor | None = None

@@ -232,9 +232,13 @@ class LlamaRunner:
         assert x is not None
         return x, residual
 
+    def head_states(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Final norm of (N, H) positions: the final-layer states HF reports as ``hidden_states[-1]``."""
+        return kernels.rms_norm(x.to(residual.dtype), self.norm.weight, float(self.norm.variance_epsilon), residual)[0]
+
     def head(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm and LM head of (B, H) last tokens: (logits (B, V), normed states (B, H))."""
-        h, _ = kernels.rms_norm(x.to(residual.dtype), self.norm.weight, float(self.norm.variance_epsilon), residual)
+        h = self.head_states(x, residual)
         return F.linear(h, self.head_weight, self.lm_head.bias), h
 
     def decode_tensors(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
@@ -292,5 +296,10 @@ class LlamaRunner:
                     real = torch.arange(b * T, b * T + len(r.tokens), device=dev)
                     every.append(self.head(x.index_select(0, real), residual.index_select(0, real))[0]
                                  if r.all_logits else None)
-        want = any(r.want_state for r in rows)
-        return StepOutput(logits=logits, states=states.float() if want else None, all_logits=every)
+            want = any(r.want_state for r in rows)
+            sums = None
+            if want:  # final norm over every position, summed over each row's real (left-aligned) tokens
+                normed = self.head_states(x, residual).view(B, T, -1).float()
+                real = torch.arange(T, device=dev) < torch.tensor([len(r.tokens) for r in rows], device=dev)[:, None]
+                sums = (normed * real.unsqueeze(-1)).sum(dim=1)  # (B, H)
+        return StepOutput(logits=logits, states=states.float() if want else None, all_logits=every, state_sums=sums)

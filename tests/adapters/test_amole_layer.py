@@ -258,3 +258,53 @@ def test_in_bf16_the_union_path_is_as_close_to_fp32_as_the_per_client_path(amole
     # compare the typical row's error with fp32, not the bits
     per_row = [(out - reference).abs().mean(dim=(1, 2)).median() for out in (union, alone)]
     assert per_row[0] <= 1.5 * per_row[1] + 1e-4
+
+
+@pytest.fixture()
+def vanilla(tiny: LoadedModel):  # noqa: ANN201
+    """FedAMoLE-A's layers: 5 experts and a vanilla MoLE router W (5, d) per layer (paper 002 s5.5)."""
+    adapted = inject(tiny.model)
+    add_amole_experts(adapted, num_experts=5, config=LoraConfig(r=4, dropout=0.0), seed=0, router="vanilla")
+    gen = torch.Generator().manual_seed(1)
+    for layer in adapted.layers.values():
+        for adapter in layer.adapters.values():
+            with torch.no_grad():
+                adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape, generator=gen) * 0.2)
+    return adapted
+
+
+def test_vanilla_router_layers_route_with_their_assigned_rows(vanilla, tmp_path) -> None:  # noqa: ANN001
+    from adapters.amole_io import load_amole, read_amole_meta, save_amole
+
+    layer = next(iter(vanilla.layers.values()))
+    assert layer.token_proj.shape == (5, layer.in_features)  # one row per assignable expert, whatever is held
+    groups = [assignment(vanilla, (0, 2)), assignment(vanilla, (1, 3, 4))]
+    # the union pass (inference) equals each client alone (autograd on): the same rows score the same experts
+    outputs = []
+    for grad in (False, True):
+        routing = AMoLERouting(groups=tuple(groups), row_group=torch.tensor([0, 1, 0]), router="vanilla")
+        with torch.set_grad_enabled(grad), vanilla.context.route_tokens(routing):
+            outputs.append(vanilla.model(IDS).logits.detach())
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+    routing = AMoLERouting(groups=(groups[0],), row_group=torch.tensor([0, 0, 0]), router="vanilla")
+    with vanilla.context.route_tokens(routing):
+        vanilla.model(IDS).logits.sum().backward()
+    grad = layer.token_proj.grad
+    assert grad is not None and grad[[0, 2]].abs().sum() > 0 and grad[[1, 3, 4]].abs().sum() == 0  # held rows only
+    with torch.no_grad():
+        amole_way = AMoLERouting(groups=(groups[0],), row_group=torch.tensor([0, 0, 0]))
+        with pytest.raises(ValueError, match="shape mismatch"), vanilla.context.route_tokens(amole_way):
+            vanilla.model(IDS)  # W is no token projection: the AMoLE gate refuses its shape
+    save_amole(vanilla, tmp_path / "a", 5, {"c": groups[0]}, router="vanilla")
+    assert read_amole_meta(tmp_path / "a")["router"] == "vanilla"
+    from models import tiny_llama
+
+    other = inject(tiny_llama().model)  # a fresh model: load_amole creates the vanilla routers from the folder
+    assignments, _ = load_amole(other, tmp_path / "a")
+    torch.testing.assert_close(next(iter(other.layers.values())).token_proj, layer.token_proj)
+    with torch.no_grad():
+        routing = AMoLERouting(groups=(assignments["c"],), row_group=torch.tensor([0, 0, 0]), router="vanilla")
+        with other.context.route_tokens(routing):
+            again = other.model(IDS).logits
+        with vanilla.context.route_tokens(routing):
+            torch.testing.assert_close(again, vanilla.model(IDS).logits, atol=1e-5, rtol=1e-5)

@@ -250,3 +250,42 @@ def test_refuses_bad_inputs() -> None:
         amole_gate(h, P, A, 0)
     with pytest.raises(ValueError, match="both"):
         amole_forward(h, torch.zeros(3, 10), sA, None, A, B, P, 2.0, 2)
+
+
+def naive_vanilla_forward(h: torch.Tensor, base_out: torch.Tensor, A: torch.Tensor, B: torch.Tensor, W: torch.Tensor,
+                          scaling: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FedAMoLE-A's vanilla MoLE module one token at a time: logits W_j . h, softmax, top-k, renormalised."""
+    hf = h.reshape(-1, h.shape[-1])
+    out = base_out.reshape(hf.shape[0], -1).clone()
+    k = min(top_k, A.shape[0])
+    idxs = []
+    for n in range(hf.shape[0]):
+        g = torch.softmax(W @ hf[n], dim=0)
+        top_p, top_i = g.topk(k)
+        for slot in range(k):
+            j = int(top_i[slot])
+            out[n] = out[n] + top_p[slot] / top_p.sum() * scaling * B[j] @ (A[j] @ hf[n])
+        idxs.append(top_i)
+    return out, torch.stack(idxs)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_vanilla_router_matches_naive(dropout: float) -> None:
+    """Paper 002 s5.5 (FedAMoLE-A): the gate is a linear router over the assigned experts' rows; both
+    routed-sum paths (dense, and grouped under per-expert dropout) give the naive result."""
+    A, B, _, _, _ = make(5, shared=False, seed=3)
+    W = torch.randn(5, 12, generator=torch.Generator().manual_seed(4))
+    h = torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(5))
+    base = torch.randn(2, 6, 10, generator=torch.Generator().manual_seed(6))
+    ref, idx = naive_vanilla_forward(h, base, A, B, W, 2.0, 2)
+    res = amole_forward(h, base, None, None, A, B, W, 2.0, 2, router="vanilla")
+    torch.testing.assert_close(res.out.reshape(12, -1), ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(res.topk_idx, idx)
+    torch.manual_seed(0)
+    dropped = amole_forward(h, base, None, None, A, B, W, 2.0, 2, dropout_p=dropout, training=True, router="vanilla")
+    assert torch.equal(dropped.topk_idx, idx)  # the gate sees the clean input
+    if dropout == 0.0:
+        torch.testing.assert_close(dropped.out.reshape(12, -1), ref, rtol=1e-4, atol=1e-4)
+    amole_forward(h, base, None, None, A, B, torch.randn(4, 12), 2.0, 2)  # AMoLE: the same shape is P (r, d)
+    with pytest.raises(ValueError, match="one row per assigned expert"):
+        amole_forward(h, base, None, None, A, B, torch.randn(4, 12), 2.0, 2, router="vanilla")

@@ -143,3 +143,20 @@ def test_cache_client_isolation(tmp_path: Path) -> None:
     assert IndexCache.for_run(tmp_path).root == tmp_path / "adapters" / "clients"
     with pytest.raises(RoutingError, match="capacity"):
         IndexCache(tmp_path, capacity=0)
+
+
+def test_an_index_records_its_pooling_and_a_missing_record_means_last(tmp_path: Path) -> None:
+    from routing.cache import check_index_pooling, index_pooling, kind_file
+
+    vectors = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+    EmbeddingIndex(vectors, pooling="mean").save(tmp_path / "a")
+    EmbeddingIndex(vectors).save(tmp_path / "b")
+    assert EmbeddingIndex.load(tmp_path / "a").pooling == index_pooling(tmp_path / "a") == "mean"
+    kind_file(tmp_path / "b").unlink()  # an index written before the record existed
+    assert EmbeddingIndex.load(tmp_path / "b").pooling == "last"
+    check_index_pooling({"a": tmp_path / "a"}, "mean")
+    with pytest.raises(RoutingError, match=r"clients \['b'\] holds 'last'.*calibrate RUN --feddpa-embedding mean"):
+        check_index_pooling({"a": tmp_path / "a", "b": tmp_path / "b"}, "mean", run="RUN")
+    kind_file(tmp_path / "a").write_text('{"embedding": "max"}')
+    with pytest.raises(RoutingError, match="'last'.*'mean'"):
+        index_pooling(tmp_path / "a")

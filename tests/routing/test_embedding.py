@@ -70,3 +70,20 @@ def test_errors_name_the_problem(tiny: LoadedModel) -> None:
         last_token_state(tiny.model, None, ids, torch.ones(2, 2, dtype=torch.long))
     with pytest.raises(RoutingError, match="batch_size"):
         embed_prompts(tiny.model, None, tiny.tokenizer, ["a"], batch_size=0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_mean_pooling_averages_the_real_tokens_whatever_the_padding(tiny: LoadedModel, adapted: AdaptedModel,
+                                                                    side: str) -> None:
+    """Paper 000 Table 10's average-token embedding: padding never enters a prompt's mean."""
+    tiny.tokenizer.padding_side = side  # type: ignore[attr-defined]
+    vecs = embed_prompts(tiny.model, adapted, tiny.tokenizer, PROMPTS, ("global",), batch_size=3, pooling="mean")
+    last = embed_prompts(tiny.model, adapted, tiny.tokenizer, PROMPTS, ("global",), batch_size=3)
+    for vec, other, prompt in zip(vecs, last, PROMPTS, strict=True):
+        enc = tiny.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)  # type: ignore[operator]
+        with torch.no_grad(), adapted.context.use(("global",), [[1.0]]):
+            hs = tiny.model.model(input_ids=enc["input_ids"]).last_hidden_state[0]  # (T, H)
+        torch.testing.assert_close(torch.from_numpy(vec), hs.mean(dim=0), atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(torch.from_numpy(vec), torch.from_numpy(other))
+    with pytest.raises(RoutingError, match="'last'.*'mean'"):
+        embed_prompts(tiny.model, adapted, tiny.tokenizer, PROMPTS, ("global",), pooling="max")  # type: ignore[arg-type]

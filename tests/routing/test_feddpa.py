@@ -128,3 +128,25 @@ def test_similarity_ablations_match_naive_formulas(kind: str) -> None:
     assert 0.0 <= knn.info["a"] <= 1.0
     with pytest.raises(RoutingError, match="similarity"):
         FedDPARouter(similarity="dot")  # type: ignore[arg-type]
+
+
+def test_default_rule_follows_the_ablation_and_calibrated_refuses_it() -> None:
+    from routing.feddpa import resolve_weighting, similarity_name
+
+    assert resolve_weighting(None) == "calibrated"
+    assert resolve_weighting(None, "pearson") == resolve_weighting(None, variant="reference") == "paper"
+    assert resolve_weighting("paper", "neg_l2", "reference") == "paper"
+    with pytest.raises(RoutingError, match="not similarity 'pearson' and variant 'reference'"):
+        resolve_weighting("calibrated", "pearson", "reference")
+    assert similarity_name("neg-l2") == similarity_name("NEG_L2") == "neg_l2"
+    with pytest.raises(RoutingError, match="neg-l2"):
+        similarity_name("euclid")
+
+
+def test_an_index_pooled_otherwise_is_refused_not_compared() -> None:
+    mean = EmbeddingIndex(X, pooling="mean")
+    assert FedDPARouter(embedding="mean", mode="knn").decide(Q, mean).info["embedding"] == "mean"
+    with pytest.raises(RoutingError, match="holds 'mean' embeddings.*--feddpa-embedding last"):
+        FedDPARouter(mode="knn").decide(Q, mean, client="c")
+    with pytest.raises(RoutingError, match="holds 'last' embeddings"):
+        FedDPARouter(embedding="mean", mode="knn").decide(Q, EmbeddingIndex(X))

@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from adapters import LoraConfig, inject
-from adapters.amole_io import load_amole, save_amole
+from adapters.amole_io import load_amole, read_amole_meta, save_amole
 from adapters.amole_layer import add_amole_experts
 from adapters.amole_routing import AMoLERouting, ExpertRecorder
 from models import LoadedModel, tiny_llama
@@ -31,10 +31,10 @@ NUM_EXPERTS = 6
 PROMPTS = {"c0": "Sort these words", "c1": "The capital of France is", "c2": "twelve plus seven"}
 
 
-def write_amole(folder: Path, seed: int) -> dict[str, dict[str, list[int]]]:
+def write_amole(folder: Path, seed: int, router: str = "amole") -> dict[str, dict[str, list[int]]]:
     """An AMoLE folder for the tiny model: random experts and projections, per-layer assignments."""
     adapted = inject(tiny_llama().model)
-    add_amole_experts(adapted, NUM_EXPERTS, LoraConfig(r=4, alpha=8.0, dropout=0.0), seed=seed)
+    add_amole_experts(adapted, NUM_EXPERTS, LoraConfig(r=4, alpha=8.0, dropout=0.0), seed=seed, router=router)
     gen = torch.Generator().manual_seed(100 + seed)
     for layer in adapted.layers.values():
         for adapter in layer.adapters.values():
@@ -46,7 +46,7 @@ def write_amole(folder: Path, seed: int) -> dict[str, dict[str, list[int]]]:
         "c1": {p: sorted({3 + i % 3, 3 + (i + 2) % 3, 3 + (i + 1) % 3}) for i, p in enumerate(adapted.layers)},
         "c2": {p: [1, 2, 4, 5] for p in adapted.layers},
     }
-    save_amole(adapted, folder, NUM_EXPERTS, assignments, top_k=2)
+    save_amole(adapted, folder, NUM_EXPERTS, assignments, top_k=2, router=router)
     return assignments
 
 
@@ -93,6 +93,7 @@ def direct_greedy(folder: Path, client: str, prompt: str, n: int) -> tuple[list[
     tiny = tiny_llama()
     adapted = inject(tiny.model)
     assignments, top_k = load_amole(adapted, folder)
+    router = str(read_amole_meta(folder)["router"])
     ids = tiny.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     paths = list(adapted.layers)
     usage = torch.zeros(len(paths), NUM_EXPERTS, dtype=torch.long)
@@ -100,7 +101,7 @@ def direct_greedy(folder: Path, client: str, prompt: str, n: int) -> tuple[list[
     for _ in range(n):
         recorder = ExpertRecorder()
         routing = AMoLERouting(groups=(assignments[client],), row_group=torch.tensor([0]), top_k=top_k,
-                               recorder=recorder)
+                               recorder=recorder, router=router)
         with torch.inference_mode(), adapted.context.route_tokens(routing):
             logits = tiny.model(torch.tensor([ids + out])).logits[0, -1]
         usage += recorder.counts(paths, NUM_EXPERTS, 1, last_token=True)[0]
@@ -123,6 +124,23 @@ def test_engine_equals_a_direct_route_amole_loop(served, root: Path) -> None:  #
     assert torch.equal(usage_of(result), want_usage)
     base = engine.generate([request(served, "tiny", 10, PROMPTS["c0"])])[0]
     assert base.token_ids != result.token_ids  # the experts matter
+
+
+def test_a_vanilla_router_run_is_served_with_its_router(tiny: LoadedModel, tmp_path: Path) -> None:
+    """FedAMoLE-A (paper 002 s5.5): the folder says ``router: vanilla``; the engine routes a batch of its
+    clients with the vanilla routers exactly as a direct loop over the loaded folder does."""
+    write_amole(tmp_path / "run" / "adapters" / "amole", seed=2, router="vanilla")
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"method": "fedamole", "model": "tiny"}))
+    adapted = inject(tiny.model)
+    engine = Engine(tiny, adapted)
+    pool = AdapterPool(adapted, root=tmp_path, model_lock=engine.model_lock)
+    pool.load_run("run")
+    served = (engine, pool, TargetResolver("tiny", pool))
+    results = engine.generate([request(served, c, 6) for c in ("c0", "c1")])
+    for client, result in zip(("c0", "c1"), results, strict=True):
+        want, want_usage = direct_greedy(tmp_path / "run" / "adapters" / "amole", client, PROMPTS[client], 6)
+        assert list(result.token_ids) == want and torch.equal(usage_of(result), want_usage)
+        assert result.route_info["router"] == "vanilla"
 
 
 def test_a_server_adapting_more_layers_than_the_run(root: Path) -> None:

@@ -206,3 +206,33 @@ def test_bf16_policies_run_fused_close_to_the_hf_forward(tiny: LoadedModel, poli
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
     results = fused.generate(requests(6))
     assert all(r.finish_reason == "length" and r.completion_tokens == 6 for r in results)
+
+
+@pytest.mark.parametrize("runner", ["fused", "hf"])
+@pytest.mark.parametrize("chunk", [3, 512])
+def test_a_mean_pooled_route_gets_the_mean_of_its_prompts_states(tiny: LoadedModel, runner: str, chunk: int) -> None:
+    """Paper 000 Table 10 at serving time: the routing hook sees the mean over the prompt, whatever the chunks
+    and the rows prefilled beside it, equal to the index builder's mean (``routing.embedding``)."""
+    from routing.embedding import embed_prompts
+
+    adapted = adapted_with(tiny)
+    engine = Engine(tiny, adapted, EngineConfig(runner=runner, max_prefill_tokens=chunk))  # type: ignore[arg-type]
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    def hook(prompt: str, pooling: str):  # noqa: ANN202 - a weight_fn
+        def fn(state: torch.Tensor) -> tuple[tuple[float, ...], dict]:
+            seen.setdefault(prompt, {})[pooling] = state
+            return (1.0, 0.0), {}
+        return fn
+
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    reqs = [GenerationRequest(prompt=p, sampling=params, adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
+                              prefill_weights=(1.0, 0.0), weight_fn=hook(p, pooling), state_pooling=pooling)
+            for p in PROMPTS[:3] for pooling in ("last", "mean")]
+    engine.generate(reqs)
+    with torch.inference_mode():
+        for pooling in ("last", "mean"):
+            ref = embed_prompts(tiny.model, adapted, tiny.tokenizer, PROMPTS[:3], ("g",), pooling=pooling)  # type: ignore[arg-type]
+            for p, vec in zip(PROMPTS[:3], ref, strict=True):
+                torch.testing.assert_close(seen[p][pooling], torch.from_numpy(vec), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(seen[PROMPTS[0]]["last"], seen[PROMPTS[0]]["mean"])

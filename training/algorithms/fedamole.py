@@ -13,8 +13,12 @@ reference loop, so one message per client per round suffices (each client's diff
 
 Options (``--option KEY=VALUE``; unknown keys are refused) cover the paper's ablations (section 5.5):
 ``assignment=static`` (FedMoLE: random at round 0, then fixed), ``assignment=random`` (FedAMoLE-R),
-``shared_expert=false`` (FedAMoLE-S) and ``homogeneous=true`` (the reference's ``--homo_arch``);
-FedAMoLE-A (a vanilla MoLE router) is not implemented. Uploaded embeddings can be protected
+``shared_expert=false`` (FedAMoLE-S), ``homogeneous=true`` (the reference's ``--homo_arch``) and
+``router=vanilla`` (FedAMoLE-A: a vanilla MoLE router, one linear layer over all N_e experts per module
+in place of the token projection, averaged like it; tokens take the top-k of the client's assigned
+experts by its logits, as the paper describes; RSEA then scores expert j for client i by the router's
+mean logit for j over the client's embedding set, our reading where the paper gives no formula, since
+eq. (17) needs the token projection the ablation removes). Uploaded embeddings can be protected
 (Appendix C.2) with ``embed_noise=<sigma>`` (Gaussian) or ``dp_noise=true`` (the reference's
 mechanism, rate ``dp_eta``), drawn from (seed, round, client) so training itself is unchanged.
 
@@ -49,6 +53,7 @@ from training.rsea import (
     mean_over_holders,
     relevance_scores,
     scores_source,
+    vanilla_relevance,
 )
 from training.rsea_embed import EmbeddingAccumulator
 from training.runtime import Runtime
@@ -66,7 +71,8 @@ REGIME = Regime(optimizer="adam", lr=5e-5, schedule="constant", round_decay=0.99
 def ensure_experts(rt: Runtime, cfg: AMoLEConfig, seed: int) -> None:
     """Inject the expert pool, shared expert and token projections once per runtime."""
     if expert_name(0) not in rt.adapted.configs:
-        add_amole_experts(rt.adapted, cfg.num_experts, rt.train.lora, seed=seed, shared=cfg.shared_expert)
+        add_amole_experts(rt.adapted, cfg.num_experts, rt.train.lora, seed=seed, shared=cfg.shared_expert,
+                          router=cfg.router)
 
 
 def full_state(rt: Runtime) -> StateDict:
@@ -196,6 +202,10 @@ class FedAMoLEStrategy(Strategy):
         self.scores = {}
         modules = sorted({k[len(EMB):].rsplit(".", 1)[0] for r in results for k in r.state if k.endswith(".client")})
         for m in modules:
+            if self.cfg.router == "vanilla":  # each client's mean router logits, one per expert
+                C = torch.stack([r.state[f"{EMB}{m}.client"] for r in results])  # (N_c, N_e)
+                self.scores[m] = vanilla_relevance(C.double()).tolist()
+                continue
             r_dim = results[0].state[f"{EMB}{m}.client"].shape[-1]
             E = torch.stack([expert_emb.get(f"{EMB}{m}.{expert_name(j)}", torch.zeros(r_dim, device="cpu"))
                              for j in range(self.cfg.num_experts)])  # (N_e, r)
@@ -232,7 +242,7 @@ def amole_loss(cfg: AMoLEConfig, assignment: Mapping[str, list[int]]) -> LossFn:
         # one client: every row in group 0 (host-side grouping, see AMoLERouting.row_group)
         rows = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long, device="cpu")
         routing = AMoLERouting(groups=(dict(assignment),), row_group=rows, top_k=cfg.top_k,
-                               shared=cfg.shared_expert)
+                               shared=cfg.shared_expert, router=cfg.router)
         with rt.adapted.context.route_tokens(routing):
             out = rt.model(**batch)
         tokens = batch["attention_mask"].reshape(-1).bool()  # gates are (B*T, E), row-major
@@ -289,7 +299,8 @@ class FedAMoLEClient(ClientAlgorithm):
 
             routing = AMoLERouting(groups=(assignment,), row_group=torch.zeros(mask.shape[0], dtype=torch.long,
                                                                                device="cpu"),
-                                   top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe)
+                                   top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe,
+                                   router=self.cfg.router)
             with torch.inference_mode(), rt.adapted.context.route_tokens(routing):
                 rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
@@ -308,6 +319,8 @@ class FedAMoLEClient(ClientAlgorithm):
                 c = add_gaussian_noise(c, self.cfg.embed_noise, gen)
                 e = add_gaussian_noise(e, self.cfg.embed_noise, gen)
             out[f"{EMB}{path}.client"] = c.float()
+            if self.cfg.router == "vanilla":  # c holds the mean logit of every expert: nothing else is scored
+                continue
             for row, j in enumerate(assignment[path]):
                 out[f"{EMB}{path}.{expert_name(j)}"] = e[row].float()
         return out
@@ -338,7 +351,8 @@ def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> No
     for module, clients in (strategy.assignment or {}).items():
         for client, ids in clients.items():
             per_client.setdefault(client, {})[module] = ids
-    save_amole(rt.adapted, run.amole, strategy.cfg.num_experts, per_client, top_k=strategy.cfg.top_k)
+    save_amole(rt.adapted, run.amole, strategy.cfg.num_experts, per_client, top_k=strategy.cfg.top_k,
+               router=strategy.cfg.router)
     if strategy.cfg.export != "local":
         return
     for client, upload in strategy.local.items():
@@ -347,7 +361,7 @@ def export(run, rt: Runtime, state: StateDict, strategy: FedAMoLEStrategy) -> No
         # strategy.assignment is still the last round's (the next is only solved in configure_round)
         save_amole(rt.adapted, run.client_dir(client) / "amole", strategy.cfg.num_experts,
                    {client: per_client[client]},
-                   top_k=strategy.cfg.top_k)
+                   top_k=strategy.cfg.top_k, router=strategy.cfg.router)
     load_state(rt, state)
 
 
@@ -355,6 +369,6 @@ FEDAMOLE = Method(
     name="fedamole", strategy=lambda o: FedAMoLEStrategy(_cfg(o), int(o.get("seed", 0))),
     client=lambda o: FedAMoLEClient(_cfg(o), int(o.get("seed", 0))),
     defaults={"num_experts": 30, "expert_choices": 2, "top_k": 2, "min_experts": 2, "max_experts": 8,
-              "load_balance_alpha": 0.001, "assignment": "rsea", "export": "aggregated"},
+              "load_balance_alpha": 0.001, "assignment": "rsea", "export": "aggregated", "router": "amole"},
     export=export, regime=REGIME,
 )
