@@ -56,8 +56,10 @@ def test_one_step_does_not_depend_on_the_micro_batch_size(method: str, strength:
         without, _ = _step(method, micro, 0.0)
         moves[micro] = with_term - without
     assert moves[4].abs().max() > 1e-5  # the term moves the adapters: the comparison below means something
+    # A move is a difference of fp32 parameters of magnitude up to ~4, so its rounding is a few 1e-7
+    # whatever its size; a term that depended on the split would differ by about the move itself.
     for micro in (2, 1):
-        torch.testing.assert_close(moves[micro], moves[4], rtol=1e-3, atol=1e-7)
+        torch.testing.assert_close(moves[micro], moves[4], rtol=1e-3, atol=2e-6)
 
 
 def test_split_shares_sum_to_the_whole_batch_value_and_gradient() -> None:
