@@ -2,14 +2,12 @@
 
 The functions here dispatch: Triton kernels (serving.kernels.triton_ops, triton_attention,
 triton_lora) when the tensors are on CUDA and triton imports, else the PyTorch reference
-(serving.kernels.reference), which is the semantics; attention on CPU tensors runs serving.kernels.cpu
-(each row over a view of its own cache row: the reference's padded gather is most of a CPU decode
-step's attention). With FEDMOSAIC_TRITON_INTERPRET=1
+(serving.kernels.reference), which is the CPU path and the semantics. With FEDMOSAIC_TRITON_INTERPRET=1
 in the environment, CPU tensors also take the Triton path, through Triton's interpreter (for tests: if
 triton is not imported yet, the first such call sets TRITON_INTERPRET=1 for the whole process, so CUDA
 tensors then fall back to the reference). `uses_triton` says which path a tensor takes.
 
-Every function is CUDA-graph capturable on the CUDA paths (no host synchronisation, shapes only).
+Every function is CUDA-graph capturable on both paths (no host synchronisation, shapes only).
 prefill_attention and lora_expand_add always run the reference; lora_shrink runs torch on CUDA unless
 LORA_SHRINK_TRITON is set (bench/gpu_kernels.py measures whether the Triton kernel wins).
 """
@@ -22,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from serving.kernels import cpu, reference
+from serving.kernels import reference
 
 __all__ = [
     "INTERPRET_ENV",
@@ -167,8 +165,6 @@ def decode_attention(
     """
     if uses_triton(q):
         return _TRITON["attention"].decode_attention(q, k_cache, v_cache, slots, lengths, scale)
-    if not q.is_cuda:
-        return cpu.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
     return reference.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
 
 
@@ -195,8 +191,6 @@ def prefill_attention(
     Returns:
         (B, T, Hq, D) in q.dtype (padded queries: finite, meaningless).
     """
-    if not q.is_cuda:
-        return cpu.prefill_attention(q, k_cache, v_cache, slots, starts, lengths, scale)
     return reference.prefill_attention(q, k_cache, v_cache, slots, starts, lengths, scale)
 
 

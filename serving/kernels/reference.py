@@ -98,7 +98,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_rows(
-    cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+    cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, zero_invalid: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' caches up to the longest row, and which positions are valid.
 
@@ -106,16 +106,18 @@ def _gather_rows(
         cache: (S, Hkv, Lmax, D).
         slots: (B,) int64 cache rows.
         lengths: (B,) int64 valid positions per row.
+        zero_invalid: zero the positions past each row's length (values must be: a 0 weight times a
+            stale NaN is NaN; keys need not be, their scores are replaced by the mask whatever they are).
 
     Returns:
-        (rows, valid): rows (B, Hkv, L, D) in float32 with invalid positions zeroed, valid (B, L) bool.
+        (rows, valid): rows (B, Hkv, L, D) in float32, valid (B, L) bool.
         L is Lmax on CUDA (no host synchronisation) and the longest row's length on CPU.
     """
     length = cache.shape[2] if cache.is_cuda else int(lengths.max())
     valid = torch.arange(length, device=cache.device)[None, :] < lengths[:, None]  # (B, L)
     rows = cache[slots, :, :length].float()  # (B, Hkv, L, D)
-    # Positions past a row's length may hold anything (even NaN): zero them so 0-weights stay 0.
-    return rows.masked_fill_(~valid[:, None, :, None], 0.0), valid
+    # Positions past a row's length may hold anything (even NaN).
+    return (rows.masked_fill_(~valid[:, None, :, None], 0.0) if zero_invalid else rows), valid
 
 
 def decode_attention(
@@ -142,13 +144,14 @@ def decode_attention(
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
-        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+        k, valid = _gather_rows(k_cache, slots, lengths, zero_invalid=False)  # (B, Hkv, L, D), (B, L)
         v, _ = _gather_rows(v_cache, slots, lengths)
         qg = q.float().view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
-        scores = torch.einsum("bkgd,bkld->bkgl", qg, k) * scale  # (B, Hkv, G, L)
+        # batched matmuls, not einsum: on a CPU einsum's permuted copies cost as much as the products
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (B, Hkv, G, L)
         scores = scores.masked_fill_(~valid[:, None, None, :], _MASKED)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bkgl,bkld->bkgd", probs, v)  # (B, Hkv, G, D)
+        out = torch.matmul(probs, v)  # (B, Hkv, G, D)
     return out.reshape(b, hq, d).to(q.dtype)
 
 
@@ -179,7 +182,7 @@ def prefill_attention(
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
-        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+        k, valid = _gather_rows(k_cache, slots, lengths, zero_invalid=False)  # (B, Hkv, L, D), (B, L)
         v, _ = _gather_rows(v_cache, slots, lengths)
         query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
         key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
