@@ -159,7 +159,11 @@ class Lifecycle:
             if len(weights) != len(req.adapter_names):
                 raise InvalidRequest(f"weight_fn returned {len(weights)} weights for {req.adapter_names}")
             seq.weights, seq.info = weights, dict(info)
-            if req.exact_prefill:
+            first = tuple(req.prefill_weights if req.prefill_weights is not None else req.adapter_weights)
+            # Routed to the prefill's own weights (calibrated FedDPA's a = 0 for an unrelated prompt): this
+            # pass already is the exact one, unless the prompt's log-probabilities were asked for.
+            again = weights != tuple(float(w) for w in first) or req.sampling.prompt_logprobs is not None
+            if req.exact_prefill and again:
                 seq.phase, seq.filled, seq.adapters = "fill", 0, self.row_adapters(seq, weights)
                 return False
             seq.adapters = self.row_adapters(seq, weights)

@@ -185,3 +185,28 @@ def test_exact_routing_refills_in_the_same_step_when_the_budget_allows(tiny: Loa
     direct = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
                                                 adapter_weights=(0.4, 0.6))])[0]
     assert handle.result().token_ids == direct.token_ids
+
+
+def test_routing_to_the_prefill_weights_skips_the_exact_pass(tiny: LoadedModel) -> None:
+    """a = 0 (the prefill's own weights): the routing pass is exact already, so the prompt is prefilled once."""
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512))
+    passes: list[int] = []
+    prefill = engine.executor.prefill
+
+    def counting(rows):  # type: ignore[no-untyped-def]
+        passes.append(len(rows))
+        return prefill(rows)
+
+    engine.executor.prefill = counting  # type: ignore[method-assign]
+    req = GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
+                            prefill_weights=(1.0, 0.0), weight_fn=lambda state: ([1.0, 0.0], {}), exact_prefill=True)
+    routed = engine.generate([req])[0]
+    assert passes == [1] and routed.adapter_weights == (1.0, 0.0)
+    passes.clear()
+    direct = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
+                                                adapter_weights=(1.0, 0.0))])[0]
+    assert passes == [1] and routed.token_ids == direct.token_ids
+    passes.clear()  # prompt log-probabilities are recorded by the exact pass only: it still runs
+    logprobs = dataclasses.replace(req, sampling=dataclasses.replace(greedy(), prompt_logprobs=0))
+    engine.generate([logprobs])
+    assert sum(passes) == 2
