@@ -6,8 +6,9 @@ B: another random adapter),
 starts ``python -m fedmosaic.cli serve RUN`` as a subprocess (this checkout first on ``PYTHONPATH``) and
 drives it with httpx:
 
-1. reference answers: the probe prompt sent to ``hot`` (greedy) with version A loaded, then B,
-   then A again (the two must differ and A must repeat, or the check below could not see anything);
+1. reference answers: the probe prompt sent to ``hot`` (greedy) with version A loaded, then each
+   candidate B, then A again (the two must differ, A must repeat, and each answer must be the same
+   alone and in a batch, or the check below could not see anything or would see batch noise);
 2. idle: one client alone sends ``--idle-requests`` requests one after another (the idle TTFT);
 3. load: ``--clients`` streaming clients (starting evenly spread over ``--ramp`` s, as load tools ramp
    users up) for ``--duration`` s, each request for one of the run's
@@ -197,27 +198,39 @@ async def reload(client: httpx.AsyncClient, t0: float, label: str, folder: Path)
 
 
 async def references(client: httpx.AsyncClient, t0: float, probe: str, folders: dict[str, Path],
-                     tokens: int) -> dict[str, str]:
-    """The probe's greedy answers under version A and under the ``B*`` candidate that departs from A earliest.
+                     tokens: int, company: list[tuple[str, str]]) -> dict[str, str]:
+    """The probe's greedy answers under version A and under the ``B*`` candidate chosen as version B.
 
-    Loads A, every ``B*`` candidate, then A again (which must answer as before); the candidate whose
-    answer shares the shortest prefix with A's becomes ``folders["B"]`` (the earlier two versions part,
-    the more of a mixed or stale decode shows). Leaves A loaded.
+    Loads A, every ``B*`` candidate, then A again (which must answer as before). Each answer is taken
+    twice, alone and decoded beside ``company`` (other clients' requests): bf16 matmuls are not
+    batch-invariant, so a version whose greedy answer sits on near-ties (a strongly perturbed adapter
+    writing dashes) answers differently in another batch, and the check below would count that as a
+    wrong version. Among the candidates whose two answers agree and differ from A's, the one sharing the
+    shortest prefix with A's becomes ``folders["B"]`` (the earlier two versions part, the more of a mixed
+    or stale decode shows). Leaves A loaded.
     """
-    async def answer(label: str) -> str:
+    async def answer(label: str) -> tuple[str, bool]:
         if not (await reload(client, t0, label, folders[label])).ok:
             raise RuntimeError(f"loading the reference version {label} failed")
-        return (await stream(client, t0, HOT, probe, tokens)).text
+        alone = (await stream(client, t0, HOT, probe, tokens)).text
+        together = await asyncio.gather(stream(client, t0, HOT, probe, tokens),
+                                        *(stream(client, t0, target, text, tokens) for target, text in company))
+        return alone, together[0].text == alone
 
-    ref = {"A": await answer("A")}
+    ref: dict[str, str] = {}
+    ref["A"], stable = await answer("A")
+    if not stable:
+        raise RuntimeError(f"version A's probe answer {ref['A']!r} changes with the batch")
     candidates = {k: await answer(k) for k in sorted(k for k in folders if k.startswith("B") and k != "B")}
-    differ = {k: len(os.path.commonprefix([text, ref["A"]])) for k, text in candidates.items() if text != ref["A"]}
+    differ = {k: len(os.path.commonprefix([text, ref["A"]])) for k, (text, ok) in candidates.items()
+              if ok and text != ref["A"]}
     if differ:
         best = min(differ, key=lambda k: (differ[k], k))
-        ref["B"], folders["B"] = candidates[best], folders[best]
-    again = await answer("A")
+        ref["B"], folders["B"] = candidates[best][0], folders[best]
+    again, _ = await answer("A")
     if "B" not in ref or again != ref["A"]:
-        raise RuntimeError(f"probe answers cannot tell the versions apart: A {ref['A']!r} then {again!r}, {ref}")
+        raise RuntimeError(f"probe answers cannot tell the versions apart: A {ref['A']!r} then {again!r}, "
+                           f"candidates {candidates}")
     return ref
 
 
@@ -227,7 +240,8 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
     limits = httpx.Limits(max_connections=a.clients + 8, max_keepalive_connections=a.clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         t0 = time.perf_counter()
-        ref = await references(client, t0, probe, folders, a.probe_tokens)
+        company = [(f"c{c}", texts[c % len(texts)]) for c in range(min(8, a.run_clients))]
+        ref = await references(client, t0, probe, folders, a.probe_tokens, company)
         targets = [f"c{c}" for c in range(a.run_clients)]
         idle = [await stream(client, t0, targets[i % len(targets)], texts[i % len(texts)], a.max_tokens)
                 for i in range(a.idle_requests)]
