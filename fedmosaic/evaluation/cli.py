@@ -69,13 +69,20 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
+    try:
+        opts = _options(args)
+    except ValueError as exc:  # an option out of range (--limit 0, --batch-size 0): one line, no traceback
+        raise SystemExit(f"fedmosaic eval: {exc}") from exc
+    for d in args.run_dirs:
+        print(evaluate_run(d, opts)["markdown"])
+    return 0
+
+
+def _options(args: argparse.Namespace) -> EvalOptions:
+    return EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
                        batch_size=args.batch_size, metric=args.metric, data=args.data, test=args.test, model=args.model,
                        per_round=args.per_round, dtype=args.dtype, device=args.device,
                        feddpa_weights=args.feddpa_weights, feddpa_weighting=args.feddpa_weighting,
                        feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode,
                        feddpa_similarity=args.feddpa_similarity, feddpa_variant=args.feddpa_variant,
                        feddpa_embedding=args.feddpa_embedding)
-    for d in args.run_dirs:
-        print(evaluate_run(d, opts)["markdown"])
-    return 0

@@ -129,10 +129,12 @@ def test_bad_options_are_refused_before_generation(tmp_path: Path, capsys: pytes
     cases = [(["--test", str(tmp_path / "empty")], "test set 'empty' .* holds no task"),
              (["--test", str(noref)], "metric 'rouge1' scores answers against reference outputs, but 1 examples"),
              (["--test", str(tmp_path / "missing")], "is neither"),
-             (["--data", str(held_out(tmp_path / "strangers", [], train=["arithmetic"]))], "none of .* --data")]
+             (["--data", str(held_out(tmp_path / "strangers", [], train=["arithmetic"]))], "none of .* --data"),
+             (["--limit", "0"], "limit must be >= 1, got 0"),
+             (["--batch-size", "0"], "batch_size must be >= 1, got 0")]
     for args, message in cases:
         with pytest.raises(SystemExit) as exc:
-            main(["eval", str(run.root), *args, *FAST])
+            main(["eval", str(run.root), *FAST, *args])  # args last: they override FAST
         text = str(exc.value.code)
         assert text.startswith("fedmosaic eval: ") and "\n" not in text
         assert re.search(message, text), text
