@@ -15,16 +15,21 @@ from models import LoadedModel
 IDS = torch.tensor([[5, 17, 33, 8], [9, 10, 11, 12], [3, 4, 5, 6]])
 
 
-@pytest.fixture()
-def amole(tiny: LoadedModel):  # noqa: ANN201
+def _experts(tiny: LoadedModel, router: str = "amole"):  # noqa: ANN202
+    """5 experts per layer with seeded non-zero B (so each expert changes the output)."""
     adapted = inject(tiny.model)
-    add_amole_experts(adapted, num_experts=5, config=LoraConfig(r=4, dropout=0.0), seed=0)
+    add_amole_experts(adapted, num_experts=5, config=LoraConfig(r=4, dropout=0.0), seed=0, router=router)
     gen = torch.Generator().manual_seed(1)
     for layer in adapted.layers.values():
         for adapter in layer.adapters.values():
             with torch.no_grad():
                 adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape, generator=gen) * 0.2)
     return adapted
+
+
+@pytest.fixture()
+def amole(tiny: LoadedModel):  # noqa: ANN201
+    return _experts(tiny)
 
 
 def assignment(adapted, ids):  # noqa: ANN001, ANN201
@@ -263,14 +268,7 @@ def test_in_bf16_the_union_path_is_as_close_to_fp32_as_the_per_client_path(amole
 @pytest.fixture()
 def vanilla(tiny: LoadedModel):  # noqa: ANN201
     """FedAMoLE-A's layers: 5 experts and a vanilla MoLE router W (5, d) per layer (paper 002 s5.5)."""
-    adapted = inject(tiny.model)
-    add_amole_experts(adapted, num_experts=5, config=LoraConfig(r=4, dropout=0.0), seed=0, router="vanilla")
-    gen = torch.Generator().manual_seed(1)
-    for layer in adapted.layers.values():
-        for adapter in layer.adapters.values():
-            with torch.no_grad():
-                adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape, generator=gen) * 0.2)
-    return adapted
+    return _experts(tiny, router="vanilla")
 
 
 def test_vanilla_router_layers_route_with_their_assigned_rows(vanilla, tmp_path) -> None:  # noqa: ANN001
