@@ -132,7 +132,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     try:
         return ServeSettings(**given)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        # a check across settings has no field to name: its message stands alone
+        problems = "; ".join(": ".join(filter(None, (".".join(str(p) for p in e["loc"]), e["msg"])))
+                             for e in exc.errors())
         raise SystemExit(f"fedmosaic: invalid server settings: {problems}") from None
 
 

@@ -120,6 +120,11 @@ def test_invalid_engine_limits_exit_naming_the_setting(argv: list[str], named: s
         settings_from_args(_serve_args(*argv))
 
 
+def test_a_check_across_settings_exits_with_its_message_alone() -> None:
+    with pytest.raises(SystemExit, match=r"invalid server settings: Value error, the calibrated FedDPA weighting"):
+        settings_from_args(_serve_args("--feddpa-similarity", "pearson", "--feddpa-weighting", "calibrated"))
+
+
 def test_request_timeout_refuses_words() -> None:
     with pytest.raises(SystemExit):
         _serve_args("--request-timeout", "soon")
