@@ -72,8 +72,8 @@ def load_base_model(
         name_or_path: ``smollm2`` (the embedded default), ``tiny`` (a seeded tiny random Llama for
             smoke runs), a local HF model folder, or a hub id (only where a network exists).
         dtype: ``float32``, ``bfloat16`` or ``autocast-bf16``; defaults to ``FEDMOSAIC_DTYPE``, else
-            ``bfloat16`` on CUDA and the measured ``autocast-bf16`` on the CPU. The tiny model is
-            float32 unless a dtype is given.
+            ``bfloat16`` on CUDA and, on the CPU, ``autocast-bf16`` where it has native bf16, else
+            ``float32`` (:func:`settings.default_dtype`). The tiny model is float32 unless a dtype is given.
         cache: cache root for ``smollm2``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or a ``torch.device``; None reads
             ``FEDMOSAIC_DEVICE`` (default ``auto``: CUDA when torch sees a GPU).

@@ -18,9 +18,12 @@ if TYPE_CHECKING:
 DType = Literal["float32", "bfloat16", "autocast-bf16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "autocast-bf16")
 
-# Measured on the 2-core CPU machines (bench/dtype_speed.py): bf16 autocast runs a LoRA forward about
-# twice as fast as fp32 while keeping fp32 master weights, so gradients and adapters stay fp32.
+# Measured with bench/dtype_speed.py on 2-core CPUs. With native bf16 (AVX512-BF16 or AMX) bf16 autocast
+# runs a LoRA training step 1.65x and a decode 1.47x as fast as fp32, keeping fp32 master weights. Without
+# it bf16 is emulated: on an Ice Lake Xeon (AVX-512, no BF16) autocast ran 0.37x (training) and 0.39x
+# (decode) of fp32, so such CPUs default to fp32.
 DEFAULT_DTYPE: DType = "autocast-bf16"
+FALLBACK_CPU_DTYPE: DType = "float32"
 # On a GPU bf16 weights halve the bytes every decode step reads and run on the tensor cores; adapters stay
 # fp32 masters and compute in the activations' dtype (adapters.layer), so training updates keep fp32.
 CUDA_DTYPE: DType = "bfloat16"
@@ -53,16 +56,29 @@ def data_dir() -> Path | None:
     return candidate if candidate.is_dir() else None
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bf16 in hardware (x86 AVX512-BF16 or AMX tiles), as torch reports it."""
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    # torch.cpu's probes are private: a torch without them is treated as having no native bf16 (fp32 is
+    # never the slow choice, emulated bf16 can be).
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 def default_dtype(device: torch.device | str | None = None) -> DType:
     """Return the compute dtype setting: ``FEDMOSAIC_DTYPE``, else the measured default for the device.
 
     Args:
-        device: where the model runs; on CUDA the default is ``bfloat16``, elsewhere ``autocast-bf16``.
+        device: where the model runs; on CUDA the default is ``bfloat16``; on a CPU ``autocast-bf16``
+            when it has native bf16 (:func:`cpu_has_native_bf16`), else ``float32``.
     """
     value = os.environ.get("FEDMOSAIC_DTYPE")
     if value is None:
         kind = device if isinstance(device, str) else getattr(device, "type", "cpu")
-        return CUDA_DTYPE if str(kind).startswith("cuda") else DEFAULT_DTYPE
+        if str(kind).startswith("cuda"):
+            return CUDA_DTYPE
+        return DEFAULT_DTYPE if cpu_has_native_bf16() else FALLBACK_CPU_DTYPE
     if value not in DTYPES:
         raise ValueError(f"FEDMOSAIC_DTYPE must be one of {DTYPES}, got {value!r}")
     return value  # type: ignore[return-value]

@@ -25,7 +25,8 @@ class ServeSettings(BaseSettings):
     model: str = Field("smollm2", description="base model: smollm2, tiny, or an HF model folder")
     served_model_name: str | None = Field(None, description="name of the base model in the API (default: model)")
     dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE, "
-                                                "else bfloat16 on CUDA and autocast-bf16 on the CPU)")
+                                                "else bfloat16 on CUDA, autocast-bf16 on a CPU with native "
+                                                "bf16, float32 on other CPUs)")
     device: str | None = Field(None, pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                                description="auto, cpu, cuda or cuda:N (default: FEDMOSAIC_DEVICE, else auto)")
     run_dir: Path | None = Field(None, description="a training run directory to serve (global + clients)")

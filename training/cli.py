@@ -105,7 +105,8 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--keep-strategy", type=int, default=1,
                    help="newest complete rounds that keep the strategy's resume tensors (0: every round)")
     p.add_argument("--dtype", choices=settings.DTYPES, default=None,
-                   help="default: FEDMOSAIC_DTYPE, else bfloat16 on CUDA and autocast-bf16 on the CPU")
+                   help=("default: FEDMOSAIC_DTYPE, else bfloat16 on CUDA, autocast-bf16 on a CPU with native bf16 "
+                         "(AVX512-BF16 or AMX), float32 on other CPUs"))
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     for name, kind in TRAIN_OVERRIDES:
         p.add_argument(f"--{name}", type=kind, default=None, help="overrides the method's regime and the preset")

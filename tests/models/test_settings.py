@@ -65,10 +65,25 @@ def test_the_option_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -
 def test_dtype_defaults_to_bf16_on_cuda_and_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FEDMOSAIC_DTYPE", raising=False)
     assert settings.default_dtype(torch.device("cuda", 0)) == "bfloat16"
+    monkeypatch.setattr(settings, "cpu_has_native_bf16", lambda: True)
     assert settings.default_dtype(torch.device("cpu")) == settings.DEFAULT_DTYPE == "autocast-bf16"
     assert settings.default_dtype() == "autocast-bf16"
+    monkeypatch.setattr(settings, "cpu_has_native_bf16", lambda: False)  # emulated bf16 is slower than fp32
+    assert settings.default_dtype(torch.device("cpu")) == "float32"
+    assert settings.default_dtype(torch.device("cuda", 0)) == "bfloat16"
     monkeypatch.setenv("FEDMOSAIC_DTYPE", "float32")
     assert settings.default_dtype(torch.device("cuda", 0)) == "float32"
+
+
+def test_native_bf16_probe_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert settings.cpu_has_native_bf16()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not settings.cpu_has_native_bf16()
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    assert not settings.cpu_has_native_bf16()  # a torch without the probes: fp32, never emulated bf16
 
 
 def test_autocast_follows_the_device_type() -> None:
