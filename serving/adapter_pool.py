@@ -30,7 +30,6 @@ that client's assignment only), which the request carries to the engine.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from serving.errors import (
     NoFreeSlot,
     PathNotAllowed,
 )
+from serving.model_lock import ModelLock
 from serving.pool_run import ClientFiles, RunInfo, register_run
 from serving.pool_views import PoolViews
 
@@ -123,14 +123,14 @@ class AdapterPool(PoolViews):
     """
 
     def __init__(self, adapted: AdaptedModel, root: Path | None = None, max_loras: int = 8,
-                 model_lock: threading.RLock | None = None, check_base: bool = True,
+                 model_lock: ModelLock | None = None, check_base: bool = True,
                  amole: AMoLERegistry | None = None) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         self.adapted = adapted
         self.root = root.resolve() if root is not None else None
         self.max_loras = max_loras
-        self.lock = model_lock if model_lock is not None else threading.RLock()
+        self.lock = model_lock if model_lock is not None else ModelLock()
         self.check_base = check_base
         self._entries: dict[str, _Entry] = {}
         self._leases: dict[str, int] = {}  # internal name -> requests holding it

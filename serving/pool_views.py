@@ -7,18 +7,18 @@ under the same lock their writers hold, so none iterates a dictionary while it c
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from serving.adapter_pool import AdapterInfo, _Entry
     from serving.amole_router import AMoLEBundle, AMoLERegistry
+    from serving.model_lock import ModelLock
 
 
 class PoolViews:
     """The pool's views (mixed into :class:`~serving.adapter_pool.AdapterPool`, which owns the state)."""
 
-    lock: threading.RLock
+    lock: ModelLock
     amole: AMoLERegistry
     _entries: dict[str, _Entry]
     _amole_clients: dict[str, str]
