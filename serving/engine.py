@@ -3,9 +3,12 @@
 Requests wait in a queue and take a KV slot (:mod:`serving.kv`) when one is free. Each step then
 prefills waiting prompts in chunks — one batched forward over every admitted request's next chunk,
 at most ``max_prefill_tokens`` tokens, so a long prompt never stalls running requests for more than
-a chunk — and runs one decode step over every running request, each row with its own adapter
-weights (the one contract, ARCHITECTURE.md), so one batch mixes clients. Forwards run on the fused Llama
-runner (CUDA graphs on CUDA) or the model's own HF forward (:mod:`serving.executor`).
+a chunk (:mod:`serving.prefill`) — and runs one decode step over every running request, each row with
+its own adapter weights (the one contract, ARCHITECTURE.md), so one batch mixes clients. While prompts
+whose prefill has not started remain after a step's prefill (a burst beyond the token budget), up to
+``max_decode_skips`` steps in a row prefill without decoding, so a burst is answered before the running
+rows take their next token (vLLM's prefill-first order, bounded so decoding never starves). Forwards
+run on the fused Llama runner (CUDA graphs on CUDA) or the model's own HF forward (:mod:`serving.executor`).
 
 Routing hook (FedDPA, paper 000 section 4.3): a request with ``weight_fn`` is prefilled with its
 ``prefill_weights`` (the global adapter alone); the final-layer state of its last prompt token goes to
@@ -48,10 +51,12 @@ from models import LoadedModel
 from serving.errors import EngineNotReady, EngineOverloaded
 from serving.executor import Executor, RowOut
 from serving.kv import SlotKV
-from serving.lifecycle import EngineConfig, Lifecycle
+from serving.lifecycle import EngineConfig
 from serving.logits import RowHistory
+from serving.model_lock import ModelLock
+from serving.prefill import PrefillSteps
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
-from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
+from serving.runner.inputs import DecodeRow, RowAdapters
 from serving.sequence import Sequence, error_status, failed, result
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
@@ -69,7 +74,7 @@ class EngineStats:
     kv_length: int
 
 
-class Engine(Lifecycle):
+class Engine(PrefillSteps):
     """Continuous batching over one frozen model with named adapters.
 
     Args:
@@ -81,10 +86,10 @@ class Engine(Lifecycle):
     """
 
     def __init__(self, loaded: LoadedModel, adapted: AdaptedModel | None = None, config: EngineConfig = EngineConfig(),
-                 model_lock: threading.RLock | None = None) -> None:
+                 model_lock: ModelLock | None = None) -> None:
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.adapted, self.config = adapted, config
-        self.model_lock = model_lock if model_lock is not None else threading.RLock()
+        self.model_lock = model_lock if model_lock is not None else ModelLock()
         param = next(self.model.parameters())
         self.device = param.device
         dtype = torch.bfloat16 if loaded.dtype == "autocast-bf16" else param.dtype
@@ -107,6 +112,7 @@ class Engine(Lifecycle):
         self._active: list[Sequence] = []
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
+        self._skipped = 0  # steps in a row that prefilled without decoding
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: str | None = None
@@ -247,14 +253,30 @@ class Engine(Lifecycle):
         """
         finished: Finished = []
         with self._step_lock:
-            with self.model_lock, torch.inference_mode():
-                self._expire(finished)
-                self._admit()
-                self._prefill(finished)
-                self._decode(finished)
+            # Threads waiting for the model (a request leasing its adapters, a reload) go first: the
+            # engine would otherwise win the lock back at once, step after step.
+            self.model_lock.acquire_after_others()
+            try:
+                with torch.inference_mode():
+                    self._expire(finished)
+                    self._admit()
+                    self._prefill(finished)
+                    if self._backlog() and self._skipped < self.config.max_decode_skips:
+                        self._skipped += 1
+                    else:
+                        self._skipped = 0
+                        self._decode(finished)
+            finally:
+                self.model_lock.release()
             for handle, res in finished:
                 handle.finish(res)  # done callbacks (lease releases) run without the model lock
         return self.has_work()
+
+    def _backlog(self) -> bool:
+        # Prompts whose pass has not started (queued with a free slot, or admitted past the budget). A
+        # long prompt already being chunked does not count: the running rows keep decoding every step.
+        return (any(s.phase in ("route", "fill") and s.filled == 0 for s in self._active)
+                or bool(self._waiting and self.kv.free_slots))
 
     def _end(self, seq: Sequence, res: GenerationResult, finished: Finished) -> None:
         if seq.slot is not None:
@@ -284,66 +306,6 @@ class Engine(Lifecycle):
             seq.slot = self.kv.allocate()
             self._active.append(seq)
             self.begin_prefill(seq)
-
-    def _prefill(self, finished: Finished) -> None:
-        # Routed rows whose routing pass ends here start their exact (second) pass in the same step
-        # when the step's token budget allows: a FedDPA request's first token comes one step sooner.
-        budget = self.config.max_prefill_tokens
-        budget, rerouted = self._prefill_pass([s for s in self._active if s.phase in ("route", "fill")], budget,
-                                              finished)
-        if rerouted and budget > 0:
-            self._prefill_pass(rerouted, budget, finished)
-
-    def _prefill_pass(self, seqs: list[Sequence], budget: int,
-                      finished: Finished) -> tuple[int, list[Sequence]]:
-        """Prefill one chunk of each of ``seqs`` within ``budget`` tokens.
-
-        Returns:
-            The budget left and the sequences this pass moved from ``route`` to ``fill``.
-        """
-        plain: list[tuple[Sequence, PrefillRow]] = []
-        solo: list[tuple[Sequence, PrefillRow]] = []  # AMoLE rows: alone, so their last token is the last column
-        for seq in seqs:
-            if budget <= 0:
-                break
-            n = min(len(seq.ids) - seq.filled, budget)
-            budget -= n
-            req = seq.handle.request
-            final = seq.phase == "fill" or not req.exact_prefill  # this pass's KV and logits are kept
-            row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
-                             seq.adapters, want_state=seq.phase == "route",
-                             all_logits=final and req.sampling.prompt_logprobs is not None)
-            (plain if seq.adapters.plain else solo).append((seq, row))
-        rerouted: list[Sequence] = []
-        groups = ([plain] if plain else []) + [[item] for item in solo]
-        for group in groups:
-            outs = self.executor.prefill([row for _, row in group])
-            done: list[tuple[Sequence, RowOut]] = []
-            for (seq, row), out in zip(group, outs, strict=True):
-                if isinstance(out, Exception):
-                    self._fail(seq, out, finished)
-                    continue
-                if out.chunk_logits is not None:
-                    self.record_prompt_logprobs(seq, row, out.chunk_logits)
-                seq.filled = row.end
-                routing = seq.phase == "route"
-                try:
-                    if self.prefilled(seq, out):
-                        done.append((seq, out))
-                    elif routing and seq.phase == "fill":
-                        rerouted.append(seq)
-                except Exception as exc:  # noqa: BLE001 - a failing router fails its request only
-                    self._fail(seq, exc, finished)
-            self._first_tokens(done, finished)
-        return budget, rerouted
-
-    def _first_tokens(self, done: list[tuple[Sequence, RowOut]], finished: Finished) -> None:
-        if not done:
-            return
-        for seq, out in done:
-            if seq.amole is not None and out.counts is not None and seq.layer_idx is not None:
-                seq.usage = out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
-        self._sampled([s for s, _ in done], [o.logits for _, o in done], finished)
 
     def _decode(self, finished: Finished) -> None:
         seqs = [s for s in self._active if s.phase == "decode" and s.output]

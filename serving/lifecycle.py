@@ -36,6 +36,9 @@ class EngineConfig:
         max_waiting: queued requests at most; beyond it :meth:`Engine.submit` raises EngineOverloaded.
         max_prefill_tokens: prompt tokens prefilled per step (chunked prefill): bounds how long a
             long prompt can hold up the running requests' next token.
+        max_decode_skips: steps in a row that may prefill without decoding while prompts still wait
+            for their first token (0: every step decodes); a burst of requests beyond
+            ``max_prefill_tokens`` gets its first tokens before the running rows their next one.
         request_timeout_s: a request still unfinished this long after submission is answered with
             an error (504); None: no deadline.
         runner: ``auto`` (the fused Llama runner when the model allows it), ``fused`` or ``hf``.
@@ -49,6 +52,7 @@ class EngineConfig:
     max_model_len: int = 2048
     max_waiting: int = 256
     max_prefill_tokens: int = 512
+    max_decode_skips: int = 2
     request_timeout_s: float | None = None
     runner: Literal["auto", "fused", "hf"] = "auto"
     lora_slots: int | None = None
@@ -59,6 +63,8 @@ class EngineConfig:
         for name in ("max_batch_size", "max_model_len", "max_waiting", "max_prefill_tokens", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_decode_skips < 0:
+            raise ValueError(f"EngineConfig.max_decode_skips must be >= 0, got {self.max_decode_skips}")
         if self.lora_slots is not None and self.lora_slots < 1:
             raise ValueError(f"EngineConfig.lora_slots must be >= 1, got {self.lora_slots}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:

@@ -39,6 +39,8 @@ class ServeSettings(BaseSettings):
     max_model_len: int = Field(2048, ge=2)
     max_waiting: int = Field(64, ge=1, description="queued requests before 429")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per engine step (chunked)")
+    max_decode_skips: int = Field(2, ge=0, description="steps in a row that prefill waiting prompts without "
+                                                       "decoding the running ones (0: every step decodes)")
     request_timeout_s: float | None = Field(600.0, gt=0, description="deadline of a request (504 beyond); null: none")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="on shutdown, running requests get this long to finish")
     exit_on_engine_failure: bool = Field(True, description="exit with status 70 when the engine thread dies, so "

@@ -236,3 +236,61 @@ def test_a_mean_pooled_route_gets_the_mean_of_its_prompts_states(tiny: LoadedMod
             for p, vec in zip(PROMPTS[:3], ref, strict=True):
                 torch.testing.assert_close(seen[p][pooling], torch.from_numpy(vec), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(seen[PROMPTS[0]]["last"], seen[PROMPTS[0]]["mean"])
+
+
+def _burst(engine: Engine) -> tuple[list[int], list[list[int]]]:
+    """A running request, then a burst of prompts beyond the budget: its output length after each step."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    running = engine.submit(GenerationRequest(prompt=PROMPTS[1], sampling=params))
+    engine.step()
+    seq = next(s for s in engine._active if s.handle is running)
+    burst = [engine.submit(GenerationRequest(prompt=p, sampling=SamplingParams(max_tokens=4, temperature=0,
+                                                                              ignore_eos=True)))
+             for p in PROMPTS[1:]]
+    made = []
+    while not all(h.done for h in burst):
+        engine.step()
+        made.append(len(seq.output))
+    while engine.step():
+        pass
+    return made, [list(h.result().token_ids) for h in [running, *burst]]
+
+
+def test_a_burst_is_prefilled_before_the_running_rows_decode_within_the_skip_bound(tiny: LoadedModel) -> None:
+    # Each burst prompt fits the budget alone, not all together: prefill-first steps skip the decode.
+    budget = max(len(tiny.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in PROMPTS[1:])
+    adapted = adapted_with(tiny)
+    first = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=budget, max_decode_skips=2))
+    made, out_first = _burst(first)
+    # The running row has 2 tokens (its prefill step also decoded). The first burst step leaves a prompt
+    # unstarted, so it does not decode; the second prefills the rest and decodes.
+    assert made[:2] == [2, 3]
+    every = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=budget, max_decode_skips=0))
+    made0, out_every = _burst(every)
+    assert made0[:2] == [3, 4]  # without skips the running row decodes every step
+    assert out_first == out_every  # the order of steps never changes a greedy answer
+
+
+def test_decoding_skips_at_most_max_decode_skips_steps_in_a_row(tiny: LoadedModel) -> None:
+    one = len(tiny.tokenizer(PROMPTS[3], add_special_tokens=False)["input_ids"])
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=one, max_decode_skips=2))
+    running = engine.submit(GenerationRequest(prompt=PROMPTS[1], sampling=SamplingParams(
+        max_tokens=60, temperature=0, ignore_eos=True)))
+    engine.step()
+    seq = next(s for s in engine._active if s.handle is running)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    burst = [engine.submit(GenerationRequest(prompt=PROMPTS[3], sampling=params)) for _ in range(7)]
+    made = []
+    while not all(h.done for h in burst):
+        engine.step()
+        made.append(len(seq.output))
+    # One burst prompt per step: two steps without decoding, then one that decodes, and so on.
+    assert made[:6] == [2, 2, 3, 3, 3, 4]
+    running.cancel()
+    while engine.step():
+        pass
+
+
+def test_max_decode_skips_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_decode_skips"):
+        EngineConfig(max_decode_skips=-1)
