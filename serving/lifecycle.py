@@ -187,6 +187,8 @@ class Lifecycle:
     def advance(self, seq: Sequence, token: int) -> FinishReason | None:
         """Record one generated token, stream its text, and say whether the sequence is finished."""
         params = seq.handle.request.sampling
+        if seq.first_token_s is None:
+            seq.first_token_s = time.monotonic() - seq.submitted
         seq.output.append(token)
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.handle.push(seq.tracker.flush())

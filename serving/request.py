@@ -109,6 +109,8 @@ class GenerationResult:
             server failed (the message names the request id), 504 the server's deadline passed.
         logprobs: per generated token, its log-probability and top alternatives (when asked for).
         prompt_logprobs: per prompt token likewise, None for the first (nothing predicts it).
+        first_token_s: seconds from submission to the first generated token (queue, prefill and
+            routing included); None when no token was generated.
     """
 
     request_id: str
@@ -124,6 +126,7 @@ class GenerationResult:
     error_status: int | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    first_token_s: float | None = None
 
 
 class RequestHandle:

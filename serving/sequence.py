@@ -10,6 +10,7 @@ the failure, 500 (with the request id) otherwise, 504 past the server's deadline
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +50,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     state_sum: torch.Tensor | None = None  # (H,) final-layer states summed over the routed prompt so far
+    submitted: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None  # seconds from submission to the first generated token
 
     @property
     def request_id(self) -> str:
@@ -94,7 +97,7 @@ def result(seq: Sequence, reason: FinishReason, error: str | None = None, status
         request_id=req.request_id, text=text, token_ids=tuple(seq.output), finish_reason=reason,
         prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output), adapter_names=req.adapter_names,
         adapter_weights=seq.weights or tuple(req.adapter_weights), route_info=seq.info, error=error,
-        error_status=status,
+        error_status=status, first_token_s=seq.first_token_s,
         logprobs=tuple(seq.logprobs) if req.sampling.logprobs is not None else None,
         prompt_logprobs=tuple(seq.prompt_logprobs) if req.sampling.prompt_logprobs is not None else None)
 

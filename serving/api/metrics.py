@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server: requests, tokens, latency, queue, adapters, FedDPA weights.
+"""Prometheus metrics of one server: requests, tokens, latency, time to first token, queue, adapters, FedDPA weights.
 
 A registry per app (not prometheus-client's global one), so several apps can live in one process
 (tests). Gauges read the engine and pool at scrape time.
@@ -24,6 +24,10 @@ class Metrics:
         self.latency = Histogram("fedmosaic_request_latency_seconds", "End-to-end request latency",
                                  ["endpoint"], registry=r,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.ttft = Histogram("fedmosaic_time_to_first_token_seconds",
+                              "Time from submission to the first generated token (queue, prefill, routing)",
+                              ["endpoint"], registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
         self.feddpa_weight = Histogram("fedmosaic_feddpa_local_weight", "FedDPA local-adapter weight a per request",
                                        registry=r, buckets=tuple(i / 10 for i in range(11)))
         self.queue = Gauge("fedmosaic_queue_size", "Requests waiting to join the batch", registry=r)

@@ -108,6 +108,8 @@ def record(state: ServerState, started: Started, answer: Answer, endpoint: str) 
     m.prompt_tokens.inc(result.prompt_tokens)
     m.generation_tokens.inc(result.completion_tokens)
     m.latency.labels(endpoint).observe(time.perf_counter() - started.t0)
+    if result.first_token_s is not None:
+        m.ttft.labels(endpoint).observe(result.first_token_s)
     if answer.plan.mode == "feddpa" and len(result.adapter_weights) == 2:
         m.feddpa_weight.observe(result.adapter_weights[1])
 

@@ -157,8 +157,11 @@ def test_metrics(client: TestClient) -> None:
     text = client.get("/metrics").text
     for name in ("fedmosaic_requests_total", "fedmosaic_generation_tokens_total", "fedmosaic_queue_size",
                  "fedmosaic_request_latency_seconds_bucket", "fedmosaic_loaded_adapters",
-                 "fedmosaic_feddpa_local_weight_count"):
+                 "fedmosaic_feddpa_local_weight_count", "fedmosaic_time_to_first_token_seconds_bucket"):
         assert name in text
+    counts = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith('fedmosaic_time_to_first_token_seconds_count{endpoint="chat"}')]
+    assert counts and counts[0] >= 1  # the module's client has served earlier chat requests too
     assert 'fedmosaic_feddpa_local_weight_bucket{le="0.3"}' in text
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -81,6 +82,19 @@ def test_max_tokens_gives_length(engine: Engine) -> None:
     result = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=SamplingParams(
         max_tokens=5, temperature=0, ignore_eos=True))])[0]
     assert result.finish_reason == "length" and result.completion_tokens == 5
+
+
+def test_results_report_the_time_to_first_token(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    handle = engine.submit(GenerationRequest(prompt=PROMPTS[0], sampling=params))
+    never = engine.submit(GenerationRequest(prompt=PROMPTS[1], sampling=params))
+    never.cancel()  # cancelled before its first step: no token, no time to first token
+    time.sleep(0.02)  # queued time counts: the clock starts at submission
+    while engine.step():
+        pass
+    assert never.result().first_token_s is None
+    first = handle.result().first_token_s
+    assert first is not None and first >= 0.02
 
 
 def test_stop_string_is_trimmed(engine: Engine) -> None:
