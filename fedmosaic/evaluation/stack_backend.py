@@ -27,6 +27,7 @@ from typing import Any
 
 from adapters.rundir import RunDir
 from fedmosaic.evaluation.backend import WEIGHTING, EvalItem
+from fedmosaic.evaluation.inputs import EvalSetupError
 from fedmosaic.evaluation.predictions import Prediction
 from routing.calibration import CALIBRATION_FILE
 from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS, resolve_weighting
@@ -144,13 +145,14 @@ def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
     is a fixed mixture, e.g. the local adapter alone) use the fixed weight.
 
     Raises:
-        ValueError: ``instance`` asked for but the run has no embedding index, or an unknown mode.
+        EvalSetupError: ``instance`` asked for but the run has no embedding index.
+        ValueError: an unknown mode.
     """
     if weighting not in WEIGHTING:
         raise ValueError(f"FedDPA weighting must be one of {WEIGHTING}, got {weighting!r}")
     has_index = any(run.embeddings(c).is_file() for c in run.clients())
     if weighting == "instance" and not has_index:
-        raise ValueError(f"instance-wise FedDPA weights need the run's embedding index "
+        raise EvalSetupError(f"instance-wise FedDPA weights need the run's embedding index "
                          f"(adapters/clients/<id>/embeddings.npy); {run.root} has none: use 'fixed'")
     if weighting == "auto":
         method = ALGORITHMS.get(str(cfg.get("method", "")).lower())
@@ -170,7 +172,7 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
     ``embedding`` (``last`` or ``mean``) must match how the run's indexes were pooled.
 
     Raises:
-        ValueError: ``calibrated`` asked for but a client's calibration file is missing (with no rule
+        EvalSetupError: ``calibrated`` asked for but a client's calibration file is missing (with no rule
             given, such a run is evaluated with the paper's rule).
         RoutingError: ``calibrated`` asked for with an ablation of the paper's rule, or indexes pooled
             otherwise than ``embedding`` (the message names `fedmosaic calibrate`).
@@ -190,7 +192,7 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
                            "(`fedmosaic calibrate %s` adds it)", run.root, run.root)
             chosen = "paper"
         else:
-            raise ValueError(f"calibrated FedDPA weights need each client's {CALIBRATION_FILE}; clients "
+            raise EvalSetupError(f"calibrated FedDPA weights need each client's {CALIBRATION_FILE}; clients "
                              f"{missing} of {run.root} have none: run `fedmosaic calibrate {run.root}` "
                              "(or --feddpa-weighting paper)")
     config = StackConfig(
@@ -202,5 +204,5 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
         check_base=False)
     stack = build_stack(config)
     if routing == "instance" and stack.routing != "instance":
-        raise ValueError(f"instance-wise FedDPA weights were asked for but {run.root} gave no embedding index")
+        raise EvalSetupError(f"instance-wise FedDPA weights were asked for but {run.root} gave no embedding index")
     return StackBackend(stack, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size)

@@ -10,7 +10,7 @@ import pytest
 
 from adapters.rundir import RunDir
 from fedmosaic.cli import main
-from fedmosaic.evaluation.evaluate import EvalOptions
+from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError
 from fedmosaic.evaluation.stack_backend import open_backend
 from routing.calibration import CALIBRATION_FILE, Calibration, fingerprint
 from serving.api.app import stack_config
@@ -79,8 +79,10 @@ def test_eval_option_errors_and_choices(run: RunDir, tmp_path: Path) -> None:
     shutil.copytree(run.root, old.root)
     for c in old.clients():
         (old.client_dir(c) / CALIBRATION_FILE).unlink()
-    with pytest.raises(ValueError, match="fedmosaic calibrate"):
+    with pytest.raises(EvalSetupError, match="fedmosaic calibrate"):
         open_backend(old, cfg, dtype="float32", rule="calibrated")
+    with pytest.raises(SystemExit, match="^fedmosaic eval: calibrated FedDPA weights need"):  # one line, no traceback
+        main(["eval", str(old.root), "--model", "tiny", "--dtype", "float32", "--feddpa-weighting", "calibrated"])
     assert open_backend(old, cfg, dtype="float32").stack.info["feddpa_weighting"] == "paper"
 
 
