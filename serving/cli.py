@@ -50,6 +50,11 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="the prompt's last-token state (default) or its mean over the tokens (paper 000 Table 10; "
                         "`fedmosaic calibrate RUN --feddpa-embedding mean` first); "
                         "env FEDMOSAIC_SERVE_FEDDPA_EMBEDDING")
+    p.add_argument("--feddpa-samples", type=int, default=None,
+                   help="S, the client's local instances each request is compared with (default 5); "
+                        "env FEDMOSAIC_SERVE_FEDDPA_SAMPLES")
+    p.add_argument("--feddpa-mode", choices=["random", "knn"], default=None,
+                   help="S drawn at random (the paper, default) or the S nearest; env FEDMOSAIC_SERVE_FEDDPA_MODE")
 
 
 def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
@@ -104,7 +109,8 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
             "feddpa_routing": "feddpa_routing", "feddpa_weighting": "feddpa_weighting", "host": "host",
             "feddpa_similarity": "feddpa_similarity", "feddpa_variant": "feddpa_variant",
-            "feddpa_embedding": "feddpa_embedding",
+            "feddpa_embedding": "feddpa_embedding", "feddpa_samples": "feddpa_samples",
+            "feddpa_mode": "feddpa_mode",
             "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",

@@ -102,3 +102,11 @@ def test_serve_option_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         ServeSettings()
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--feddpa-weighting", "tuned"])
+    monkeypatch.delenv("FEDMOSAIC_SERVE_FEDDPA_WEIGHTING")
+    config = stack_config(settings_from_args(parser.parse_args(
+        ["serve", "--feddpa-samples", "3", "--feddpa-mode", "knn", "--max-decode-skips", "0"])))
+    assert (config.feddpa_samples, config.feddpa_mode, config.engine.max_decode_skips) == (3, "knn", 0)
+    monkeypatch.setenv("FEDMOSAIC_SERVE_FEDDPA_SAMPLES", "2")  # the environment applies when the option is left out
+    assert stack_config(settings_from_args(parser.parse_args(["serve"]))).feddpa_samples == 2
+    with pytest.raises(SystemExit, match="feddpa_samples"):
+        settings_from_args(parser.parse_args(["serve", "--feddpa-samples", "0"]))
