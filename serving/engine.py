@@ -59,10 +59,24 @@ from serving.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.runner.inputs import DecodeRow, RowAdapters
 from serving.sequence import Sequence, error_status, failed, result
 
-__all__ = ["Engine", "EngineConfig", "EngineStats"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "StepReport"]
 
 logger = logging.getLogger(__name__)
 Finished = list[tuple[RequestHandle, GenerationResult]]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One engine step that ran a forward: its wall time, prompt tokens prefilled, rows decoded."""
+
+    seconds: float
+    prefill_tokens: int
+    decode_rows: int
+
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode`` or ``mixed``."""
+        return "mixed" if self.prefill_tokens and self.decode_rows else "prefill" if self.prefill_tokens else "decode"
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,7 @@ class Engine(PrefillSteps):
         self._stopping = False
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
+        self.step_observers: list[Callable[[StepReport], None]] = []  # called after each step that ran a forward
 
     # --- submission (validation and phases in serving.lifecycle) ------------------------------------------
 
@@ -257,17 +272,26 @@ class Engine(PrefillSteps):
             # engine would otherwise win the lock back at once, step after step.
             self.model_lock.acquire_after_others()
             try:
+                started = time.perf_counter()
                 with torch.inference_mode():
                     self._expire(finished)
                     self._admit()
-                    self._prefill(finished)
+                    tokens, rows = self._prefill(finished), 0
                     if self._backlog() and self._skipped < self.config.max_decode_skips:
                         self._skipped += 1
                     else:
                         self._skipped = 0
-                        self._decode(finished)
+                        rows = self._decode(finished)
+                seconds = time.perf_counter() - started
             finally:
                 self.model_lock.release()
+            if tokens or rows:
+                report = StepReport(seconds, tokens, rows)
+                for observe in list(self.step_observers):
+                    try:
+                        observe(report)
+                    except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                        logger.exception("a step observer raised")
             for handle, res in finished:
                 handle.finish(res)  # done callbacks (lease releases) run without the model lock
         return self.has_work()
@@ -307,10 +331,10 @@ class Engine(PrefillSteps):
             self._active.append(seq)
             self.begin_prefill(seq)
 
-    def _decode(self, finished: Finished) -> None:
+    def _decode(self, finished: Finished) -> int:
         seqs = [s for s in self._active if s.phase == "decode" and s.output]
         if not seqs:
-            return
+            return 0
         rows = [DecodeRow(s.slot, s.next_token, s.position, s.adapters) for s in seqs]  # type: ignore[arg-type]
         outs = self.executor.decode(rows)
         ok: list[tuple[Sequence, RowOut]] = []
@@ -322,6 +346,7 @@ class Engine(PrefillSteps):
                 if seq.amole is not None and out.counts is not None and seq.usage is not None:
                     seq.usage += out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
         self._sampled([s for s, _ in ok], [o.logits for _, o in ok], finished)
+        return len(seqs)
 
     def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None:
         histories = [RowHistory(s.ids, s.output, self.eos_ids) for s in seqs]

@@ -34,14 +34,16 @@ class PrefillSteps(Lifecycle):
 
     def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None: ...
 
-    def _prefill(self, finished: Finished) -> None:
+    def _prefill(self, finished: Finished) -> int:
+        """Prefill this step's chunks; returns the prompt tokens that went through."""
         # Routed rows whose routing pass ends here start their exact (second) pass in the same step
         # when the step's token budget allows: a FedDPA request's first token comes one step sooner.
         budget = self.config.max_prefill_tokens
         budget, rerouted = self._prefill_pass([s for s in self._active if s.phase in ("route", "fill")], budget,
                                               finished)
         if rerouted and budget > 0:
-            self._prefill_pass(rerouted, budget, finished)
+            budget, _ = self._prefill_pass(rerouted, budget, finished)
+        return self.config.max_prefill_tokens - budget
 
     def _prefill_pass(self, seqs: list[Sequence], budget: int,
                       finished: Finished) -> tuple[int, list[Sequence]]:

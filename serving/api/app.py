@@ -58,6 +58,7 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     state.resolver = stack.resolver
     state.engine, state.pool, state.run = engine, pool, stack.run_info
     state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count)
+    engine.step_observers.append(state.metrics.observe_step)
     if state.settings.exit_on_engine_failure:
         engine.on_failure.append(_exit_soon)
     engine.start()

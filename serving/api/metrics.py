@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server: requests, tokens, latency, time to first token, queue, adapters, FedDPA weights.
+"""Prometheus metrics of one server: requests, tokens, latency, time to first token, engine steps, queue,
+adapters, FedDPA weights.
 
 A registry per app (not prometheus-client's global one), so several apps can live in one process
 (tests). Gauges read the engine and pool at scrape time.
@@ -7,8 +8,12 @@ A registry per app (not prometheus-client's global one), so several apps can liv
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from serving.engine import StepReport
 
 
 class Metrics:
@@ -28,6 +33,8 @@ class Metrics:
                               "Time from submission to the first generated token (queue, prefill, routing)",
                               ["endpoint"], registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+        self.step = Histogram("fedmosaic_engine_step_seconds", "Engine step wall time (prefill, decode or mixed)",
+                              ["kind"], registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
         self.feddpa_weight = Histogram("fedmosaic_feddpa_local_weight", "FedDPA local-adapter weight a per request",
                                        registry=r, buckets=tuple(i / 10 for i in range(11)))
         self.queue = Gauge("fedmosaic_queue_size", "Requests waiting to join the batch", registry=r)
@@ -39,6 +46,10 @@ class Metrics:
         self.queue.set_function(queue)
         self.running.set_function(running)
         self.adapters.set_function(adapters)
+
+    def observe_step(self, report: StepReport) -> None:
+        """Record one engine step (an :attr:`serving.engine.Engine.step_observers` callback)."""
+        self.step.labels(report.kind).observe(report.seconds)
 
     def render(self) -> bytes:
         """The exposition text."""

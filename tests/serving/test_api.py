@@ -157,7 +157,8 @@ def test_metrics(client: TestClient) -> None:
     text = client.get("/metrics").text
     for name in ("fedmosaic_requests_total", "fedmosaic_generation_tokens_total", "fedmosaic_queue_size",
                  "fedmosaic_request_latency_seconds_bucket", "fedmosaic_loaded_adapters",
-                 "fedmosaic_feddpa_local_weight_count", "fedmosaic_time_to_first_token_seconds_bucket"):
+                 "fedmosaic_feddpa_local_weight_count", "fedmosaic_time_to_first_token_seconds_bucket",
+                 'fedmosaic_engine_step_seconds_count{kind="'):
         assert name in text
     counts = [float(line.split()[-1]) for line in text.splitlines()
               if line.startswith('fedmosaic_time_to_first_token_seconds_count{endpoint="chat"}')]

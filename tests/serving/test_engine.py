@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import LoadedModel
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig, StepReport
 from serving.errors import AdapterNotFound, InvalidRequest
 from serving.request import GenerationRequest
 from serving.sampling import SamplingParams
@@ -95,6 +95,27 @@ def test_results_report_the_time_to_first_token(engine: Engine) -> None:
     assert never.result().first_token_s is None
     first = handle.result().first_token_s
     assert first is not None and first >= 0.02
+
+
+def test_step_observers_see_each_forward_and_cannot_stop_the_engine(engine: Engine) -> None:
+    seen: list[StepReport] = []
+
+    def broken(_: StepReport) -> None:
+        raise RuntimeError("an observer bug")
+
+    engine.step_observers[:] = [broken, seen.append]
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        handles = [engine.submit(GenerationRequest(prompt=p, sampling=params)) for p in PROMPTS[:2]]
+        while engine.step():
+            pass
+    finally:
+        engine.step_observers.clear()
+    assert all(h.result().finish_reason == "length" for h in handles)
+    prompt = sum(h.result().prompt_tokens for h in handles)
+    assert sum(r.prefill_tokens for r in seen) == prompt
+    assert [r.kind for r in seen] == ["mixed", "decode"]  # prefill + first decode, then the last token
+    assert [r.decode_rows for r in seen] == [2, 2] and all(r.seconds > 0 for r in seen)
 
 
 def test_stop_string_is_trimmed(engine: Engine) -> None:
