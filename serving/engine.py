@@ -57,12 +57,11 @@ from serving.model_lock import ModelLock
 from serving.prefill import PrefillSteps
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.runner.inputs import DecodeRow, RowAdapters
-from serving.sequence import Sequence, error_status, failed, result
+from serving.sequence import Finished, Sequence, error_status, failed, result
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "StepReport"]
 
 logger = logging.getLogger(__name__)
-Finished = list[tuple[RequestHandle, GenerationResult]]
 
 
 @dataclass(frozen=True)

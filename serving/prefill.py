@@ -18,10 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from serving.executor import Executor, RowOut
-    from serving.request import GenerationResult, RequestHandle
-    from serving.sequence import Sequence
-
-    Finished = list[tuple[RequestHandle, GenerationResult]]
+    from serving.sequence import Finished, Sequence
 
 
 class PrefillSteps(Lifecycle):

@@ -25,6 +25,7 @@ from serving.runner.inputs import RowAdapters
 from serving.sampling import TextTracker
 
 Phase = Literal["waiting", "route", "fill", "decode"]
+Finished = list[tuple[RequestHandle, GenerationResult]]  # results a step hands out once it lets the model go
 
 
 @dataclass(eq=False)
