@@ -11,8 +11,9 @@ host synchronisation, so :mod:`serving.runner.graphs` can capture it as a CUDA g
 
 Numerics follow HF's LlamaRMSNorm, rotary embedding and SiLU MLP (same rounding points); the KV
 cache holds the compute dtype. Under the ``autocast-bf16`` policy (fp32 weights, bf16 compute: the
-CPU default) the matrices are kept once more in bf16 (half the model's size again): autocast would
-otherwise cast every weight on every call, about 40% of a CPU decode step.
+CPU default where bf16 is native) the matrices are kept once more in bf16 (half the model's size
+again): autocast would otherwise cast every weight on every call, about 40% of a CPU decode step. In
+float32 on CPU the matrices are stored in-feature-major instead (:mod:`serving.runner.layout`).
 
 Supported: ``llama``, ``mistral`` (no sliding window below the context) and ``qwen2`` configs with
 static RoPE; every other model runs on :mod:`serving.runner.hf`.
@@ -32,6 +33,7 @@ from adapters import AdaptedModel, MultiLoraLinear
 from serving import kernels
 from serving.kv import SlotKV
 from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
+from serving.runner.layout import compute_copy, fuse, head_logits, in_feature_major, restore
 from serving.runner.lora_slots import GROUPS, LoraSlots
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -69,36 +71,6 @@ def _base(module: nn.Module) -> nn.Linear:
     return module.base_layer if isinstance(module, MultiLoraLinear) else module  # type: ignore[return-value]
 
 
-def _fuse(linears: Sequence[nn.Linear], attr: str) -> torch.Tensor | None:
-    """One (sum of outs, in) matrix whose row blocks are the Linears' ``attr`` (views: no second copy)."""
-    tensors = [getattr(lin, attr) for lin in linears]
-    if tensors[0] is None:
-        return None
-    base = tensors[0]._base
-    if base is not None and all(t._base is base for t in tensors) and \
-            sum(t.shape[0] for t in tensors) == base.shape[0] and tensors[0].data_ptr() == base.data_ptr():
-        return base  # already fused (another engine on the same model)
-    with torch.inference_mode(False), torch.no_grad():
-        fused = torch.cat([t.detach() for t in tensors])
-        start = 0
-        for lin, t in zip(linears, tensors, strict=True):
-            setattr(lin, attr, nn.Parameter(fused[start: start + t.shape[0]], requires_grad=False))
-            start += t.shape[0]
-    return fused
-
-
-def _compute_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight`` in ``dtype``, made once per weight and shared by every engine on the model
-    (remade when the weight changed in place since)."""
-    cached = getattr(weight, "_fedmosaic_compute_copy", None)
-    if cached is not None and cached[0] == dtype and cached[1] == weight._version:
-        return cached[2]  # type: ignore[no-any-return]
-    with torch.inference_mode(False), torch.no_grad():
-        copy = weight.detach().to(dtype)
-    weight._fedmosaic_compute_copy = (dtype, weight._version, copy)  # type: ignore[attr-defined]
-    return copy
-
-
 class LlamaRunner:
     """Fused decode and prefill for a Llama-family model.
 
@@ -126,6 +98,8 @@ class LlamaRunner:
         self.head_dim, self.scale = int(attn.head_dim), float(attn.scaling)
         self.hq, self.hkv = int(config.num_attention_heads), int(config.num_key_value_heads)
         self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head  # type: ignore[union-attr]
+        # CPU float32: matrices stored in-feature-major (serving.runner.layout), the fast GEMM form there
+        self.in_major = in_feature_major(kv.device, kv.dtype) and self.embed.weight.dtype == kv.dtype
         self.mods: list[dict[str, nn.Module]] = []
         self.weights: list[dict[str, torch.Tensor | None]] = []
         self.norm_w: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
@@ -135,11 +109,12 @@ class LlamaRunner:
             self.mods.append(mods)
             qkv = [_base(mods[t]) for t in GROUPS["qkv"]]
             gate_up = [_base(mods[t]) for t in GROUPS["gate_up"]]
+            o, down, major = _base(mods["o_proj"]), _base(mods["down_proj"]), self.in_major
             self.weights.append({
-                "qkv": _fuse(qkv, "weight"), "qkv_bias": _fuse(qkv, "bias"),
-                "o": _base(mods["o_proj"]).weight, "o_bias": _base(mods["o_proj"]).bias,
-                "gate_up": _fuse(gate_up, "weight"), "gate_up_bias": _fuse(gate_up, "bias"),
-                "down": _base(mods["down_proj"]).weight, "down_bias": _base(mods["down_proj"]).bias})
+                "qkv": fuse(qkv, "weight", major), "qkv_bias": fuse(qkv, "bias"),
+                "o": restore(o, major), "o_bias": o.bias,
+                "gate_up": fuse(gate_up, "weight", major), "gate_up_bias": fuse(gate_up, "bias"),
+                "down": restore(down, major), "down_bias": down.bias})
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             self.norm_w.append((ln1.weight, ln2.weight, float(ln1.variance_epsilon), float(ln2.variance_epsilon)))
         self.splits = [int(_base(self.mods[0][t]).out_features) for t in GROUPS["qkv"]]
@@ -147,8 +122,8 @@ class LlamaRunner:
         if kv.dtype != self.embed.weight.dtype and kv.dtype == torch.bfloat16:  # autocast-bf16: cast once
             for per in self.weights:
                 for key, w in per.items():
-                    per[key] = _compute_copy(w, kv.dtype) if w is not None and w.dim() == 2 else w
-            self.head_weight = _compute_copy(self.lm_head.weight, kv.dtype)
+                    per[key] = compute_copy(w, kv.dtype) if w is not None and w.dim() == 2 else w
+            self.head_weight = compute_copy(self.lm_head.weight, kv.dtype)
         residual = self.embed.weight.dtype
         with torch.inference_mode(False), torch.no_grad():
             positions = torch.arange(kv.max_len, device=kv.device).unsqueeze(0)
@@ -239,7 +214,7 @@ class LlamaRunner:
     def head(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm and LM head of (B, H) last tokens: (logits (B, V), normed states (B, H))."""
         h = self.head_states(x, residual)
-        return F.linear(h, self.head_weight, self.lm_head.bias), h
+        return head_logits(h, self.head_weight, self.lm_head.bias, self.in_major), h
 
     def decode_tensors(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                        lora: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from adapters import AdaptedModel, MultiLoraLinear
+from serving.runner.layout import in_feature_major
 
 # projection groups of a Llama-family decoder layer, each with the targets sharing its input
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -77,12 +78,15 @@ class LoraSlots:
             self.layouts[group] = GroupLayout(adapted_targets, tuple(columns), d_in, start)
         # per layer: group -> (A (S*nt*r, d_in), Bt (S*nt*r, d_out))
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        major = in_feature_major(device, dtype)
         for _ in self.layers:
             per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
             for group, lay in self.layouts.items():
                 rows = capacity * len(lay.targets) * rank
-                per[group] = (torch.zeros(rows, lay.d_in, dtype=dtype, device=device),
-                              torch.zeros(rows, lay.d_out, dtype=dtype, device=device))
+                # A in-feature-major where that is the fast GEMM form (CPU float32: serving.runner.layout)
+                a = (torch.zeros(lay.d_in, rows, dtype=dtype, device=device).t() if major
+                     else torch.zeros(rows, lay.d_in, dtype=dtype, device=device))
+                per[group] = (a, torch.zeros(rows, lay.d_out, dtype=dtype, device=device))
             self.stacks.append(per)
         self.names: list[str | None] = [None] * capacity  # slot -> internal adapter name
         self.scaling = [0.0] * capacity
