@@ -97,6 +97,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def _consecutive(cache: torch.Tensor, slots: torch.Tensor) -> int | None:
+    """The first slot when ``slots`` are consecutive and ascending on a CPU cache (their rows are then a
+    view of the cache), else None. Never reads a CUDA tensor (no host synchronisation)."""
+    if cache.is_cuda:
+        return None
+    s = slots.tolist()
+    return s[0] if s == list(range(s[0], s[0] + len(s))) else None
+
+
 def _gather_rows(
     cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, zero_invalid: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,11 +119,18 @@ def _gather_rows(
             stale NaN is NaN; keys need not be, their scores are replaced by the mask whatever they are).
 
     Returns:
-        (rows, valid): rows (B, Hkv, L, D) in float32, valid (B, L) bool.
+        (rows, valid): rows (B, Hkv, L, D) in float32, valid (B, L) bool. Read-only: on CPU, consecutive
+        slots give a view of the cache (a gather costs as much as the attention it feeds there).
         L is Lmax on CUDA (no host synchronisation) and the longest row's length on CPU.
     """
     length = cache.shape[2] if cache.is_cuda else int(lengths.max())
     valid = torch.arange(length, device=cache.device)[None, :] < lengths[:, None]  # (B, L)
+    first = _consecutive(cache, slots)
+    if first is not None:
+        rows = cache[first: first + slots.shape[0], :, :length]  # (B, Hkv, L, D), no copy
+        if zero_invalid and not bool(valid.all()):
+            rows = torch.where(valid[:, None, :, None], rows, 0.0)  # a copy: the cache is never written
+        return rows.float(), valid
     rows = cache[:, :, :length].index_select(0, slots).float()  # (B, Hkv, L, D); 5x a fancy index on CPU
     # Positions past a row's length may hold anything (even NaN).
     return (rows.masked_fill_(~valid[:, None, :, None], 0.0) if zero_invalid else rows), valid

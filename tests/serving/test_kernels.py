@@ -120,6 +120,24 @@ def test_reference_decode_attention_is_the_naive_loop(heads: tuple[int, int, int
             torch.testing.assert_close(out[b, h], probs @ values)
 
 
+@pytest.mark.parametrize("lengths", [[1, 20, 7], [9, 9, 9]])
+def test_reference_attention_over_consecutive_slots_reads_a_view_and_writes_nothing(lengths: list[int]) -> None:
+    c = attention_case(9, 3, 16, lmax=20, lengths=lengths, dtype=torch.float32, device="cpu", seed=5)
+    # the same rows placed in slots 1, 2, 3 (consecutive: the CPU path reads them as a view of the cache)
+    k_cache, v_cache = c.k_cache.clone(), c.v_cache.clone()
+    k_cache[1:4], v_cache[1:4] = c.k_cache[c.slots], c.v_cache[c.slots]  # positions past each length: NaN
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    consecutive = torch.arange(1, 4)
+    out = reference.decode_attention(c.q, k_cache, v_cache, consecutive, c.lengths, c.scale)
+    gathered = reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale)
+    torch.testing.assert_close(out, gathered)
+    starts = c.lengths - 1
+    pre = reference.prefill_attention(c.q[:, None], k_cache, v_cache, consecutive, starts, c.lengths, c.scale)
+    torch.testing.assert_close(pre[:, 0], gathered)
+    for after, before in ((k_cache, k_before), (v_cache, v_before)):
+        assert torch.equal(after.isnan(), before.isnan()) and torch.equal(after.nan_to_num(), before.nan_to_num())
+
+
 def test_reference_prefill_attention_is_the_naive_loop() -> None:
     hq, hkv, d, t = 9, 3, 16, 4
     starts, chunk_lengths = [0, 5, 2], [4, 1, 3]  # row 1 has one real token, then padding
