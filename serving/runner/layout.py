@@ -77,7 +77,7 @@ def _views_of(fused: torch.Tensor, tensors: Sequence[torch.Tensor], in_major: bo
     return start == fused.shape[0]
 
 
-def restore(linear: nn.Linear, in_major: bool) -> torch.Tensor:
+def reorder(linear: nn.Linear, in_major: bool) -> torch.Tensor:
     """``linear.weight`` in the requested storage order (re-stored in place when needed); returns it."""
     weight = linear.weight
     if _is_in_major(weight) == in_major or weight.dim() != 2:

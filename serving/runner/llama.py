@@ -33,7 +33,7 @@ from adapters import AdaptedModel, MultiLoraLinear
 from serving import kernels
 from serving.kv import SlotKV
 from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
-from serving.runner.layout import compute_copy, fuse, head_logits, in_feature_major, restore
+from serving.runner.layout import compute_copy, fuse, head_logits, in_feature_major, reorder
 from serving.runner.lora_slots import GROUPS, LoraSlots
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -112,9 +112,9 @@ class LlamaRunner:
             o, down, major = _base(mods["o_proj"]), _base(mods["down_proj"]), self.in_major
             self.weights.append({
                 "qkv": fuse(qkv, "weight", major), "qkv_bias": fuse(qkv, "bias"),
-                "o": restore(o, major), "o_bias": o.bias,
+                "o": reorder(o, major), "o_bias": o.bias,
                 "gate_up": fuse(gate_up, "weight", major), "gate_up_bias": fuse(gate_up, "bias"),
-                "down": restore(down, major), "down_bias": down.bias})
+                "down": reorder(down, major), "down_bias": down.bias})
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             self.norm_w.append((ln1.weight, ln2.weight, float(ln1.variance_epsilon), float(ln2.variance_epsilon)))
         self.splits = [int(_base(self.mods[0][t]).out_features) for t in GROUPS["qkv"]]

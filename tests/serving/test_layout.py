@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import LoadedModel
-from serving.runner.layout import compute_copy, fuse, head_logits, in_feature_major, restore
+from serving.runner.layout import compute_copy, fuse, head_logits, in_feature_major, reorder
 from serving.runner.llama import LlamaRunner
 from tests.serving.helpers import adapted_with
 from tests.serving.test_engine_batching import kv_for
@@ -57,12 +57,12 @@ def test_fuse_switches_storage_order_without_changing_values() -> None:
     assert biases is not None and torch.equal(biases, torch.cat([lin.bias for lin in lins]))
 
 
-def test_restore_both_ways() -> None:
+def test_reorder_both_ways() -> None:
     lin = nn.Linear(6, 4)
     w = lin.weight.detach().clone()
-    assert restore(lin, in_major=True).stride() == (1, 4) and torch.equal(lin.weight, w)
-    assert restore(lin, in_major=True) is lin.weight  # already in that order: untouched
-    assert restore(lin, in_major=False).is_contiguous() and torch.equal(lin.weight, w)
+    assert reorder(lin, in_major=True).stride() == (1, 4) and torch.equal(lin.weight, w)
+    assert reorder(lin, in_major=True) is lin.weight  # already in that order: untouched
+    assert reorder(lin, in_major=False).is_contiguous() and torch.equal(lin.weight, w)
 
 
 def test_head_logits_equal_linear_in_both_forms() -> None:
