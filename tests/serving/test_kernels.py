@@ -121,18 +121,27 @@ def test_reference_decode_attention_is_the_naive_loop(heads: tuple[int, int, int
 
 
 @pytest.mark.parametrize("lengths", [[1, 20, 7], [9, 9, 9]])
-def test_reference_attention_over_consecutive_slots_reads_a_view_and_writes_nothing(lengths: list[int]) -> None:
+@pytest.mark.parametrize("placed", [[1, 2, 3], [3, 1, 5], [0, 6, 2], [7, 0, 4]])
+def test_reference_attention_reads_slot_ranges_in_place_and_writes_nothing(lengths: list[int],
+                                                                           placed: list[int]) -> None:
+    """Consecutive slots (read as a view of the cache) and any other placement (gathered) give the naive
+    loop's result, with stale NaN in every other slot and past each row's length."""
     c = attention_case(9, 3, 16, lmax=20, lengths=lengths, dtype=torch.float32, device="cpu", seed=5)
-    # the same rows placed in slots 1, 2, 3 (consecutive: the CPU path reads them as a view of the cache)
-    k_cache, v_cache = c.k_cache.clone(), c.v_cache.clone()
-    k_cache[1:4], v_cache[1:4] = c.k_cache[c.slots], c.v_cache[c.slots]  # positions past each length: NaN
+    k_cache = torch.full((8, *c.k_cache.shape[1:]), float("nan"))
+    v_cache = torch.full((8, *c.v_cache.shape[1:]), float("nan"))
+    slots = torch.tensor(placed)
+    k_cache[slots], v_cache[slots] = c.k_cache[c.slots], c.v_cache[c.slots]  # positions past each length: NaN
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    consecutive = torch.arange(1, 4)
-    out = reference.decode_attention(c.q, k_cache, v_cache, consecutive, c.lengths, c.scale)
-    gathered = reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale)
+    out = reference.decode_attention(c.q, k_cache, v_cache, slots, c.lengths, c.scale)
+    k, v = c.k_cache, c.v_cache
+    gathered = torch.stack([  # the naive loop, row by row and head by head
+        torch.stack([torch.softmax(k[slot, h // 3, :n] @ c.q[b, h] * c.scale, dim=0) @ v[slot, h // 3, :n]
+                     for h in range(9)])
+        for b, (slot, n) in enumerate(zip(c.slots.tolist(), c.lengths.tolist(), strict=True))])
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out, gathered)
     starts = c.lengths - 1
-    pre = reference.prefill_attention(c.q[:, None], k_cache, v_cache, consecutive, starts, c.lengths, c.scale)
+    pre = reference.prefill_attention(c.q[:, None], k_cache, v_cache, slots, starts, c.lengths, c.scale)
     torch.testing.assert_close(pre[:, 0], gathered)
     for after, before in ((k_cache, k_before), (v_cache, v_before)):
         assert torch.equal(after.isnan(), before.isnan()) and torch.equal(after.nan_to_num(), before.nan_to_num())
