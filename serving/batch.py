@@ -65,12 +65,15 @@ class BatchConfig:
         default_max_tokens: ``max_tokens`` of a chat line that sets none.
         window: requests in flight at most (None: the executor's default).
         max_choices: choices one line may ask for (prompts x n).
+        exact_prefill: a ``<client>`` prompt with instance-wise weights is prefilled again with its routed
+            weights (False: the routing pass's cache is kept; ``--feddpa-prefill once``).
     """
 
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
     window: int | None = None
     max_choices: int = 64
+    exact_prefill: bool = True
 
     def limits(self) -> Limits:
         """The request limits every line gets."""
@@ -172,7 +175,7 @@ def _jobs(line: Line, tokenizer: object, config: BatchConfig) -> list[tuple[Choi
     assert body is not None
     mixture = body.mixture()
     return [(c, Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids,
-                    mixture=tuple(mixture) if mixture else None, key=(line.n, i)))
+                    mixture=tuple(mixture) if mixture else None, key=(line.n, i), exact_prefill=config.exact_prefill))
             for i, c in enumerate(builders.choices(body, tokenizer, config.limits()))]
 
 

@@ -55,6 +55,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "env FEDMOSAIC_SERVE_FEDDPA_SAMPLES")
     p.add_argument("--feddpa-mode", choices=["random", "knn"], default=None,
                    help="S drawn at random (the paper, default) or the S nearest; env FEDMOSAIC_SERVE_FEDDPA_MODE")
+    p.add_argument("--feddpa-prefill", choices=["exact", "once"], default=None,
+                   help="exact (default): a <client> prompt is prefilled again with its routed weights; once: the "
+                        "routing pass's cache (global adapter) is kept, only decoding uses the routed weights (faster, "
+                        "not the paper's exact rule); env FEDMOSAIC_SERVE_FEDDPA_PREFILL")
 
 
 def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
@@ -110,7 +114,7 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "feddpa_routing": "feddpa_routing", "feddpa_weighting": "feddpa_weighting", "host": "host",
             "feddpa_similarity": "feddpa_similarity", "feddpa_variant": "feddpa_variant",
             "feddpa_embedding": "feddpa_embedding", "feddpa_samples": "feddpa_samples",
-            "feddpa_mode": "feddpa_mode",
+            "feddpa_mode": "feddpa_mode", "feddpa_prefill": "feddpa_prefill",
             "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
@@ -205,7 +209,8 @@ def run_batch(args: argparse.Namespace) -> int:
     if backend == "vllm":
         export = Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="fedmosaic-levels-"))
         executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=settings.max_model_len)
-    config = BatchConfig(max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens)
+    config = BatchConfig(max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens,
+                         exact_prefill=settings.feddpa_prefill == "exact")
     summary = run_batch(executor, stack.loaded.tokenizer, args.input, args.output, config,
                         progress=not args.no_progress)
     print(json.dumps({**summary.__dict__, "backend": backend}))

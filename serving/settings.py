@@ -74,6 +74,10 @@ class ServeSettings(BaseSettings):
                     "alpha); null follows feddpa_routing (instance: calibrated)",
     )
     feddpa_samples: int = Field(5, ge=1, description="S, local instances compared per request")
+    feddpa_prefill: Literal["exact", "once"] = Field(
+        "exact", description="<client> prompts with instance-wise weights: exact (prefilled again with the routed "
+        "weights, the paper's rule for every token) or once (the routing pass's KV cache, computed with the "
+        "global adapter, is kept and only the decoded tokens use the routed weights: one prefill, not exact)")
     feddpa_mode: str = Field("random", pattern="^(random|knn)$", description="random S (paper) or the S nearest")
     feddpa_similarity: str = Field(
         "cosine", description="similarity of the prompt to the client's instances: cosine (paper), neg-l2 or pearson "

@@ -93,8 +93,9 @@ async def start(state: ServerState, body: SamplingFields, choices: Sequence[Choi
     """Resolve the target, lease its adapter versions and submit every choice (access checked before)."""
     assert state.stack is not None
     mixture = tuple(body.mixture() or ()) or None
-    jobs = [Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids, mixture=mixture)
-            for c in choices]
+    exact = state.settings.feddpa_prefill == "exact"
+    jobs = [Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids, mixture=mixture,
+                exact_prefill=exact) for c in choices]
     # leasing may reload an evicted adapter from disk: off the event loop
     submitted = await run_in_threadpool(submit_all, state.stack, jobs)
     return Started(tuple(choices), tuple(submitted), f"{prefix}-{uuid.uuid4().hex}", int(time.time()),

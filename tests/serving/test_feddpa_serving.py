@@ -138,3 +138,37 @@ def test_a_reloaded_clients_index_is_read_again(run_dir: Path, tmp_path: Path) -
         assert reload.status_code == 200, reload.text
         after = client.post("/v1/chat/completions", json=SORT, headers=auth).json()["fedmosaic"]["info"]
     assert after["mean_similarity"] == pytest.approx(-before["mean_similarity"], abs=1e-5)
+
+
+@pytest.mark.parametrize("prefill", ["exact", "once"])
+def test_feddpa_prefill_exact_runs_the_prompt_twice_and_once_keeps_the_routing_pass(run_dir: Path,
+                                                                                    prefill: str) -> None:
+    with serve(run_dir, "instance", feddpa_prefill=prefill) as client:
+        ready(client)
+        engine = client.app.state.server.engine  # type: ignore[attr-defined]
+        seen: list[int] = []
+        engine.step_observers.append(lambda report: seen.append(report.prefill_tokens))
+        body = client.post("/v1/completions", json={
+            "model": "sorting", "max_tokens": 3, "temperature": 0,
+            "prompt": "Sort these words alphabetically: pear, apple"}).json()
+        a, prompt = body["fedmosaic"]["weights"]["sorting:local"], body["usage"]["prompt_tokens"]
+        assert a > 0  # routed away from the routing pass's own weights: the exact rule prefills again
+        assert sum(seen) == (2 if prefill == "exact" else 1) * prompt
+
+
+def test_feddpa_prefill_option_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from serving.cli import add_serve_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser.add_subparsers())
+    assert settings_from_args(parser.parse_args(["serve"])).feddpa_prefill == "exact"
+    assert settings_from_args(parser.parse_args(["serve", "--feddpa-prefill", "once"])).feddpa_prefill == "once"
+    monkeypatch.setenv("FEDMOSAIC_SERVE_FEDDPA_PREFILL", "once")
+    assert settings_from_args(parser.parse_args(["serve"])).feddpa_prefill == "once"
+    monkeypatch.setenv("FEDMOSAIC_SERVE_FEDDPA_PREFILL", "twice")
+    with pytest.raises(SystemExit, match="feddpa_prefill"):
+        settings_from_args(parser.parse_args(["serve"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--feddpa-prefill", "twice"])
