@@ -303,7 +303,7 @@ class Engine(PrefillSteps):
 
     def _end(self, seq: Sequence, res: GenerationResult, finished: Finished) -> None:
         if seq.slot is not None:
-            self.kv.release(seq.slot)
+            self.kv.release(seq.slot, len(seq.ids) + len(seq.output))  # an upper bound of its positions
             seq.slot = None
         if seq in self._active:
             self._active.remove(seq)

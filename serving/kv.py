@@ -5,6 +5,8 @@ at ``k[layer][slot, :, :n]`` (vLLM's idea of a cache managed apart from the mode
 paging: a slot is a contiguous row, so a decode step never copies the cache, it only writes each
 row's new position). The last slot is scratch: padded batch rows and padding tokens write there, so
 a padded batch (a CUDA graph bucket, a right-padded prefill chunk) never touches a real sequence.
+A released slot's values are zeroed where its owner wrote, so every stale value a batch reads at
+weight 0 is finite (the attention then needs no masked copy of the cache).
 
 On CUDA the buffers are allocated at full length once (their addresses must stay fixed for captured
 CUDA graphs); on the CPU they start short and double on demand up to ``max_len``, so a server with a
@@ -75,15 +77,31 @@ class SlotKV:
         """Take a free slot (the lowest), or None when every slot is owned."""
         return self._free.pop() if self._free else None
 
-    def release(self, slot: int) -> None:
-        """Give a slot back (its contents are simply overwritten by the next owner)."""
+    def release(self, slot: int, written: int | None = None) -> None:
+        """Give a slot back, its value cells zeroed over the positions its owner may have written.
+
+        The attention reads a batch's rows up to the longest one and weights each row's positions past
+        its own length by an exact 0, which leaves the result unchanged only while the stale value is
+        finite (0 x NaN is NaN): an owner whose adapter produced NaN must not poison the next owner, so
+        every value cell past a row's length holds a finite value (zeros, or an earlier finite owner's).
+        Keys need no zeroing: the scores of those positions are replaced by the mask.
+
+        Args:
+            slot: the slot to free.
+            written: positions ``0 .. written - 1`` its owner may have written (None: all of them).
+        """
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"slot {slot} is not owned")
+        end = self.capacity if written is None else min(max(int(written), 0), self.capacity)
+        for v in self.v:
+            v[slot, :, :end].zero_()
         self._free.append(slot)
         self._free.sort(reverse=True)
 
     def reset(self) -> None:
-        """Forget every owner (after an engine failure); buffers are kept."""
+        """Forget every owner (after an engine failure) and zero the values; buffers are kept."""
+        for v in self.v:
+            v.zero_()
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     def ensure(self, length: int) -> None:

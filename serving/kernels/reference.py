@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 # A large finite negative score for masked positions: a row with no valid position then gets uniform
-# weights over zeroed values (a finite 0) instead of NaN.
+# weights over finite stale values (a finite result of no meaning) instead of NaN.
 _MASKED = torch.finfo(torch.float32).min
 
 
@@ -106,34 +106,29 @@ def _consecutive(cache: torch.Tensor, slots: torch.Tensor) -> int | None:
     return s[0] if s == list(range(s[0], s[0] + len(s))) else None
 
 
-def _gather_rows(
-    cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, zero_invalid: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' caches up to the longest row, and which positions are valid.
+
+    Positions past a row's length hold stale cells: keys may hold anything (their scores are replaced
+    by the mask), values must be finite (their exact 0 weight then adds an exact 0; ``SlotKV.release``
+    zeroes what an owner wrote, so a NaN-producing request cannot poison its slot's next owner).
 
     Args:
         cache: (S, Hkv, Lmax, D).
         slots: (B,) int64 cache rows.
         lengths: (B,) int64 valid positions per row.
-        zero_invalid: zero the positions past each row's length (values must be: a 0 weight times a
-            stale NaN is NaN; keys need not be, their scores are replaced by the mask whatever they are).
 
     Returns:
         (rows, valid): rows (B, Hkv, L, D) in float32, valid (B, L) bool. Read-only: on CPU, consecutive
-        slots give a view of the cache (a gather costs as much as the attention it feeds there).
-        L is Lmax on CUDA (no host synchronisation) and the longest row's length on CPU.
+        slots give a view of the cache (a gather, or a masked copy, costs as much as the attention it
+        feeds there). L is Lmax on CUDA (no host synchronisation) and the longest row's length on CPU.
     """
     length = cache.shape[2] if cache.is_cuda else int(lengths.max())
     valid = torch.arange(length, device=cache.device)[None, :] < lengths[:, None]  # (B, L)
     first = _consecutive(cache, slots)
     if first is not None:
-        rows = cache[first: first + slots.shape[0], :, :length]  # (B, Hkv, L, D), no copy
-        if zero_invalid and not bool(valid.all()):
-            rows = torch.where(valid[:, None, :, None], rows, 0.0)  # a copy: the cache is never written
-        return rows.float(), valid
-    rows = cache[:, :, :length].index_select(0, slots).float()  # (B, Hkv, L, D); 5x a fancy index on CPU
-    # Positions past a row's length may hold anything (even NaN).
-    return (rows.masked_fill_(~valid[:, None, :, None], 0.0) if zero_invalid else rows), valid
+        return cache[first: first + slots.shape[0], :, :length].float(), valid  # (B, Hkv, L, D), no copy
+    return cache[:, :, :length].index_select(0, slots).float(), valid  # 5x a fancy index on CPU
 
 
 def decode_attention(
@@ -160,7 +155,7 @@ def decode_attention(
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
-        k, valid = _gather_rows(k_cache, slots, lengths, zero_invalid=False)  # (B, Hkv, L, D), (B, L)
+        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
         v, _ = _gather_rows(v_cache, slots, lengths)
         qg = q.float().view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
         # batched matmuls, not einsum: on a CPU einsum's permuted copies cost as much as the products
@@ -198,7 +193,7 @@ def prefill_attention(
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
-        k, valid = _gather_rows(k_cache, slots, lengths, zero_invalid=False)  # (B, Hkv, L, D), (B, L)
+        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
         v, _ = _gather_rows(v_cache, slots, lengths)
         query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
         key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)

@@ -58,9 +58,10 @@ def attention_case(
     gen = torch.Generator().manual_seed(seed)
     b = len(lengths)
     s = b + 1
+    # stale cells: NaN keys (any key is masked), large finite values (the cache's contract, SlotKV.release)
     k_cache = torch.full((s, hkv, lmax, d), float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full((s, hkv, lmax, d), float("nan"), dtype=dtype, device=device)
-    slots = torch.arange(s - 1, 0, -1, device=device)  # rows S-1 .. 1; row 0 stays NaN
+    v_cache = torch.full((s, hkv, lmax, d), 1e4, dtype=dtype, device=device)
+    slots = torch.arange(s - 1, 0, -1, device=device)  # rows S-1 .. 1; row 0 stays stale
     for row, length in zip(slots.tolist(), lengths, strict=True):
         k_cache[row, :, :length] = rand((hkv, length, d), dtype, device, gen)
         v_cache[row, :, :length] = rand((hkv, length, d), dtype, device, gen)

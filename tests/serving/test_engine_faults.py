@@ -16,6 +16,7 @@ import torch
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.errors import EngineNotReady, InvalidRequest
+from serving.kv import SlotKV
 from serving.request import GenerationRequest
 from serving.sampling import SamplingParams
 from tests.serving.helpers import adapted_with
@@ -152,3 +153,35 @@ def test_shutdown_is_bounded_and_lets_short_requests_finish(engine: Engine) -> N
     assert endless.result(timeout=1).finish_reason == "cancelled"
     with pytest.raises(EngineNotReady):
         engine.submit(greedy(PROMPTS[0]))
+
+
+def test_a_request_whose_values_went_nan_does_not_poison_its_slots_next_owner(tiny: LoadedModel) -> None:
+    """An adapter of huge finite weights (NaN ones are refused at load) fills its request's KV slot with
+    inf and NaN; the next owner of that slot, a row shorter than the batch's longest (it reads stale
+    positions at weight 0), still decodes what it decodes alone."""
+    adapted = adapted_with(tiny, ("g", "l1", "broken"))
+    for _, layer in adapted.adapter_layers("broken"):
+        a = layer.adapters["broken"]
+        layer.set_weights("broken", a.lora_A.detach().clone(), torch.full(a.lora_B.shape, 3e38))
+    engine = Engine(tiny, adapted, EngineConfig(max_batch_size=4))
+    long_prompt = PROMPTS[1] + ", then the numbers from one to twenty in words"
+    short, long = greedy(PROMPTS[0], 4), greedy(long_prompt, 12)
+    alone = [engine.generate([r])[0].token_ids for r in (short, long)]
+    poison = engine.generate([greedy(long_prompt, 12, adapter_names=("broken",), adapter_weights=(1.0,))])[0]
+    assert poison.finish_reason in ("error", "length")  # whatever NaN logits give, it ends
+    assert engine.kv.free_slots == 4 and all(torch.isfinite(v).all() for v in engine.kv.v)
+    together = engine.generate([short, long])  # short takes the poisoned slot 0 and reads past its length
+    assert [r.token_ids for r in together] == alone
+
+
+def test_released_slots_get_zero_values_and_keep_their_keys() -> None:
+    kv = SlotKV(2, 3, 1, 4, 16, torch.float32, torch.device("cpu"))
+    slot = kv.allocate()
+    assert slot == 0
+    for k, v in zip(kv.k, kv.v, strict=True):
+        k[slot, :, :5], v[slot, :, :5] = 1.0, float("nan")
+    kv.release(slot, 5)
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in kv.v)
+    assert all(k[slot, :, :5].eq(1.0).all() for k in kv.k)  # keys past a length are masked, never zeroed
+    with pytest.raises(ValueError, match="not owned"):
+        kv.release(slot)

@@ -125,12 +125,15 @@ def test_reference_decode_attention_is_the_naive_loop(heads: tuple[int, int, int
 def test_reference_attention_reads_slot_ranges_in_place_and_writes_nothing(lengths: list[int],
                                                                            placed: list[int]) -> None:
     """Consecutive slots (read as a view of the cache) and any other placement (gathered) give the naive
-    loop's result, with stale NaN in every other slot and past each row's length."""
+    loop's result, with stale cells in every other slot and past each row's length: NaN keys, and huge
+    finite values (the cache's contract: ``SlotKV.release`` zeroes NaN a past owner wrote)."""
     c = attention_case(9, 3, 16, lmax=20, lengths=lengths, dtype=torch.float32, device="cpu", seed=5)
     k_cache = torch.full((8, *c.k_cache.shape[1:]), float("nan"))
-    v_cache = torch.full((8, *c.v_cache.shape[1:]), float("nan"))
+    v_cache = torch.full((8, *c.v_cache.shape[1:]), 3e38)
     slots = torch.tensor(placed)
-    k_cache[slots], v_cache[slots] = c.k_cache[c.slots], c.v_cache[c.slots]  # positions past each length: NaN
+    valid = torch.arange(20)[None, None, :, None] < c.lengths[:, None, None, None]  # (B, 1, Lmax, 1)
+    k_cache[slots] = torch.where(valid, c.k_cache[c.slots], float("nan"))
+    v_cache[slots] = torch.where(valid, c.v_cache[c.slots], -3e38)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     out = reference.decode_attention(c.q, k_cache, v_cache, slots, c.lengths, c.scale)
     k, v = c.k_cache, c.v_cache
