@@ -4,7 +4,10 @@ Eight chat requests, each from a different client of a FedDPA-T-like run (global
 r=8 on q/v; :mod:`bench.serve_common`), each decoding exactly ``--tokens`` tokens (eos ignored).
 Cases, interleaved round by round, medians reported:
   engine_feddpa       the continuous-batching engine, 8 ``<client>`` targets with instance-wise
-                      FedDPA weights (paper 000 section 4.3), one batch mixing all 8 clients
+                      FedDPA weights (paper 000 section 4.3), one batch mixing all 8 clients; the
+                      exact rule (the default): each prompt is prefilled again with its routed weights
+  engine_feddpa_once  the same with ``--feddpa-prefill once`` (one prefill, routing only the decoded
+                      tokens; not exact, documented beside the option)
   engine_base         the same 8 prompts on the bare base model, one batch
   hf_generate_batch   the baseline: the same 8 prompts on a separate copy of the bare base model (no
                       adapter layers), one left-padded ``model.generate`` call, eos ignored through
@@ -13,7 +16,8 @@ Cases, interleaved round by round, medians reported:
   peft_sequential     HF PEFT holding each client's (1 - a, a) mixture as one adapter (the exact
                       rank-concatenated export), ``set_adapter`` per request, ``generate`` one by one
 Then time to first token (TTFT) of one new request: on an idle engine, and while 7 other clients'
-requests are decoding (the engine's background thread; the new request is prefilled between steps).
+requests are decoding (this thread drives the engine as a server's engine thread; the new request comes
+from another thread and is prefilled between steps).
 Prints one JSON object: aggregate decode tokens/s (tokens of all 8 requests / wall time), ratios
 (``ratio_engine_base_to_hf_generate_batch`` >= 1.2, ``ratio_feddpa_to_base`` >= 0.90 and
 ``ratio_feddpa_to_peft_sequential`` >= 5 are issue 14's targets), TTFT.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -90,24 +95,45 @@ def hf_generate_batch(loaded: LoadedModel, texts: list[str], tokens: int) -> flo
 
 
 def ttft(stack: ServingStack, text: str, load: list[Job]) -> float:
-    """Seconds from submitting one request to its first streamed text, with ``load`` decoding meanwhile."""
+    """Seconds from submitting one request to its first streamed text, with ``load`` decoding meanwhile.
+
+    This thread drives the engine, as a server's engine thread does (the only long-lived thread running
+    torch's parallel work: a second one, like this thread after loading, halves a CPU engine's speed,
+    see ``serving.api.app.in_own_thread``); the request comes from another thread, as from the API.
+    """
     engine = stack.engine
-    engine.start()
     background = [stack.submit(job) for job in load]
+    seconds: list[float] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            while engine.stats().running < len(load):
+                time.sleep(0.005)
+            sub = stack.submit(Job("c7", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), text))
+            t0 = time.perf_counter()
+            next(iter(sub.handle.stream()))
+            seconds.append(time.perf_counter() - t0)
+            if (res := sub.handle.result()).finish_reason != "length":
+                raise RuntimeError(f"the TTFT request failed: {res.error}")
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the driving thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=client, name="ttft-client")
+    thread.start()
     try:
-        while engine.stats().running < len(load):
-            time.sleep(0.005)
-        sub = stack.submit(Job("c7", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), text))
-        t0 = time.perf_counter()
-        next(iter(sub.handle.stream()))
-        seconds = time.perf_counter() - t0
-        if (res := sub.handle.result()).finish_reason != "length":
-            raise RuntimeError(f"the TTFT request failed: {res.error}")
+        while thread.is_alive():
+            if not engine.step():
+                time.sleep(0.001)
     finally:
         for b in background:
             b.handle.cancel()
-        engine.stop()  # start() in the next round reopens it
-    return seconds
+        while engine.step():
+            pass
+        thread.join()
+    if errors:
+        raise errors[0]
+    return seconds[0]
 
 
 def main() -> None:
@@ -124,6 +150,7 @@ def main() -> None:
         texts = prompts(loaded.tokenizer, CLIENTS)
         params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
         feddpa = [Job(f"c{c}", params, texts[c]) for c in range(CLIENTS)]
+        once = [Job(f"c{c}", params, texts[c], exact_prefill=False) for c in range(CLIENTS)]
         base = [Job(stack.base_name, params, t) for t in texts]
         # each client's mixture at its fixed weight, exported exactly as one PEFT adapter of rank r_g + r_l
         folders = []
@@ -139,6 +166,7 @@ def main() -> None:
         hf_generate_batch(bare, texts, 2)
         seconds = interleave({
             "engine_feddpa": lambda: run_jobs(stack, feddpa),
+            "engine_feddpa_once": lambda: run_jobs(stack, once),
             "engine_base": lambda: run_jobs(stack, base),
             "hf_generate_batch": lambda: hf_generate_batch(bare, texts, args.tokens),
             "engine_feddpa_seq": lambda: sum(run_jobs(stack, [j]) for j in feddpa),
@@ -159,6 +187,7 @@ def main() -> None:
         "wall_s_median": {k: median(v) for k, v in seconds.items()},
         "ratio_engine_base_to_hf_generate_batch": ratio(tps["engine_base"], tps["hf_generate_batch"]),
         "ratio_feddpa_to_base": ratio(tps["engine_feddpa"], tps["engine_base"]),
+        "ratio_feddpa_once_to_base": ratio(tps["engine_feddpa_once"], tps["engine_base"]),
         "ratio_feddpa_to_peft_sequential": ratio(tps["engine_feddpa"], tps["peft_sequential"]),
         "ratio_feddpa_batched_to_sequential": ratio(tps["engine_feddpa"], tps["engine_feddpa_seq"]),
         "ttft_ms_median": {k: round(1e3 * median(v), 1) for k, v in ttfts.items()},

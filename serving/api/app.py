@@ -1,8 +1,9 @@
 """``create_app(settings)``: the FastAPI app, whose lifespan loads the model, adapters and engine.
 
-Loading runs in a worker thread so the server answers at once: ``/health`` is 503 (OpenAI error
-envelope) until the engine is ready, then 200. Request bodies above ``max_body_bytes`` are refused with
-413 before any parsing. The engine runs in its own background thread for the app's lifetime.
+Loading runs in a thread of its own that then ends (:func:`in_own_thread`), so the server answers at
+once: ``/health`` is 503 (OpenAI error envelope) until the engine is ready, then 200. Request bodies
+above ``max_body_bytes`` are refused with 413 before any parsing. The engine runs in its own
+background thread for the app's lifetime, the only long-lived thread running torch's parallel work.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -94,6 +95,42 @@ def _build_logged(state: ServerState, router: WeightRouter | None) -> None:
         state.load_error = f"{type(exc).__name__}: {exc}"
 
 
+async def in_own_thread(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(*args)`` in a new thread, awaiting it without blocking the loop; returns once it ended.
+
+    Not the loop's executor: a long-lived pool thread that ran torch's multi-threaded operations (the
+    model load) keeps its OpenMP worker team, and with a second team (the engine thread's) libgomp
+    counts more threads than cores and stops spinning between parallel regions, so each operation of
+    every engine step waits for a sleeping worker (decode steps took 2x as long, issue 14). A thread
+    that ends frees its team.
+
+    Raises:
+        Whatever ``fn`` raised.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(None) if exc is None else done.set_exception(exc)
+
+    def go() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, exc)
+        else:
+            loop.call_soon_threadsafe(settle, None)
+
+    thread = threading.Thread(target=go, name="fedmosaic-load", daemon=True)
+    thread.start()
+    try:
+        await done
+    finally:
+        if done.done():  # it has handed its outcome over: ending takes microseconds
+            thread.join(1.0)
+
+
 class BodyLimit:
     """ASGI middleware: answer 413 (error envelope) to bodies over ``limit`` bytes, declared or streamed."""
 
@@ -160,7 +197,7 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.get_running_loop().run_in_executor(None, _build_logged, state, router)
+        loading = asyncio.ensure_future(in_own_thread(_build_logged, state, router))
         try:
             yield
         finally:

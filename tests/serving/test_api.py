@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -15,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from models import tiny_llama
 from serving.api import create_app
+from serving.api.app import in_own_thread
 from serving.settings import ServeSettings
 from tests.serving.helpers import write_adapter
 
@@ -71,6 +73,30 @@ def test_health_is_503_while_loading(settings: ServeSettings) -> None:
     bare = TestClient(app)
     assert_error(bare.get("/health"), 503, "not_ready")
     assert_error(bare.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"}), 503)
+
+
+def test_the_model_loads_in_a_thread_that_then_ends(client: TestClient) -> None:
+    """Only the engine thread keeps an OpenMP team alive (a second long-lived one halves its speed)."""
+    names = [t.name for t in threading.enumerate()]
+    assert "fedmosaic-engine" in names and "fedmosaic-load" not in names
+
+
+def test_in_own_thread_hands_back_the_result_and_the_exception() -> None:
+    seen: list[str] = []
+
+    def work(fail: bool) -> None:
+        seen.append(threading.current_thread().name)
+        if fail:
+            raise ValueError("load failed")
+
+    async def go() -> None:
+        await in_own_thread(work, False)
+        with pytest.raises(ValueError, match="load failed"):
+            await in_own_thread(work, True)
+
+    asyncio.run(go())
+    assert seen == ["fedmosaic-load"] * 2
+    assert "fedmosaic-load" not in [t.name for t in threading.enumerate()]
 
 
 def test_health_and_models(client: TestClient) -> None:
