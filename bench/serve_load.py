@@ -29,7 +29,9 @@ and total latency under load, aggregate completion tokens/s, the idle p50 TTFT o
 the ratio (issue 14's target: 0 failures, 0 wrong versions, load p50 TTFT <= 3 x idle). The TTFT and
 latency percentiles are given twice: over every request, and in ``steady`` over the requests sent after
 ``--warmup`` s (the first requests of all clients arrive together and queue behind each other's
-prefill: that start-up burst is reported, the ratio is taken in the steady state after it).
+prefill: that start-up burst is reported, the ratio is taken in the steady state after it). The
+server's own step counts and mean step times of the load phase (per kind, from its /metrics) say
+where the time went.
 Usage: python bench/serve_load.py [--model tiny] [--clients 64] [--duration 120] [--max-batch-size 64]
 """
 
@@ -234,6 +236,33 @@ async def references(client: httpx.AsyncClient, t0: float, probe: str, folders: 
     return ref
 
 
+async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
+    """Per step kind (prefill, decode, mixed): the server's (step count, seconds) so far, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+        if family.name != "fedmosaic_engine_step_seconds":
+            continue
+        for sample in family.samples:
+            slot = {"fedmosaic_engine_step_seconds_count": 0, "fedmosaic_engine_step_seconds_sum": 1}.get(sample.name)
+            if slot is not None:
+                totals.setdefault(sample.labels["kind"], [0.0, 0.0])[slot] = sample.value
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                 wall: float) -> dict[str, object]:
+    """Engine steps of the load phase per kind: how many, their mean, and the share of the wall time."""
+    out: dict[str, object] = {}
+    for kind, (count, seconds) in sorted(after.items()):
+        n, sec = count - before.get(kind, (0.0, 0.0))[0], seconds - before.get(kind, (0.0, 0.0))[1]
+        if n:
+            out[kind] = {"steps": int(n), "mean_ms": round(1e3 * sec / n, 1),
+                         "share_of_wall": round(sec / wall, 3) if wall > 0 else None}
+    return out
+
+
 async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: str, folders: dict[str, Path]) -> dict:
     """References, idle requests, then the load with reloads; returns the figures."""
     a = args  # short: used on most lines below
@@ -247,6 +276,7 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
                 for i in range(a.idle_requests)]
         timeline = Timeline("A")
         replies: list[Reply] = []
+        steps_before = await step_totals(client)
         start = time.perf_counter() - t0
         stop = start + a.duration
 
@@ -272,7 +302,9 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
 
         await asyncio.gather(reloader(), *(user(u) for u in range(a.clients)))
         wall = max(r.end or 0.0 for r in replies) - start
-    return {"refs": ref, "idle": idle, "replies": replies, "timeline": timeline, "wall": wall, "start": start}
+        steps = step_figures(steps_before, await step_totals(client), wall)
+    return {"refs": ref, "idle": idle, "replies": replies, "timeline": timeline, "wall": wall, "start": start,
+            "steps": steps}
 
 
 def figures(out: dict) -> dict[str, object]:
@@ -317,6 +349,7 @@ def figures(out: dict) -> dict[str, object]:
                                "p99": round(ms * (percentile(steady_ttft, 99) or 0), 1)},
                    "latency_ms": {"p50": round(ms * (percentile(steady_latency, 50) or 0), 1)},
                    "ratio_ttft_load_to_idle": ratio(percentile(steady_ttft, 50), idle_p50)},
+        "engine_steps_under_load": out["steps"],
         "probe_answers": out["refs"],
     }
 
