@@ -85,6 +85,8 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per engine step, longer prompts in chunks (default 512)")
     p.add_argument("--max-decode-skips", type=int, default=None,
                    help="steps in a row that prefill a burst of prompts without decoding (default 2; 0: never)")
+    p.add_argument("--prefix-cache-slots", type=int, default=None,
+                   help="recent prompts whose KV later prompts sharing a prefix reuse (default 4; 0: off)")
     p.add_argument("--request-timeout", type=_timeout, default=None,
                    help="seconds before a request is cancelled and answered 504; 'none' for no deadline (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=None,
@@ -120,7 +122,7 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
             "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",
             "max_waiting": "max_waiting", "max_prefill_tokens": "max_prefill_tokens",
-            "max_decode_skips": "max_decode_skips",
+            "max_decode_skips": "max_decode_skips", "prefix_cache_slots": "prefix_cache_slots",
             "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
             "exit_on_engine_failure": "exit_on_engine_failure"}
 

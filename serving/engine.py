@@ -55,6 +55,7 @@ from serving.lifecycle import EngineConfig
 from serving.logits import RowHistory
 from serving.model_lock import ModelLock
 from serving.prefill import PrefillSteps
+from serving.prefix_cache import PrefixCache
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.runner.inputs import DecodeRow, RowAdapters
 from serving.sequence import Finished, Sequence, error_status, failed, result
@@ -111,7 +112,8 @@ class Engine(PrefillSteps):
         head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // heads)
         kv_heads = int(getattr(mc, "num_key_value_heads", None) or heads)
         self.kv = SlotKV(int(mc.num_hidden_layers), config.max_batch_size, kv_heads, head_dim, config.max_model_len,
-                         dtype, self.device)
+                         dtype, self.device, spare=config.prefix_cache_slots)
+        self.prefixes = PrefixCache(self.kv, self._fingerprint)
         self.executor = Executor(self.model, adapted, self.kv, loaded.autocast, config.runner,
                                  config.lora_slots or config.max_batch_size + 1, config.max_lora_rank,
                                  config.cuda_graphs, config.max_batch_size)
@@ -221,6 +223,7 @@ class Engine(PrefillSteps):
         with self._step_lock:
             self.failure = None
             self.kv.reset()
+            self.prefixes.clear()
             self._stopping = False
         self.start()
 
@@ -248,6 +251,7 @@ class Engine(PrefillSteps):
             self._active = []
             self._cond.notify_all()
         self.kv.reset()
+        self.prefixes.clear()
         for seq in seqs:
             message = f"the engine failed while serving request {seq.request_id}; the server is restarting"
             seq.handle.finish(result(seq, "error", message, 500))
@@ -366,6 +370,13 @@ class Engine(PrefillSteps):
         if error_status(exc) == 500:
             logger.error("request %s failed", seq.request_id, exc_info=exc)
         self._end(seq, failed(seq, exc), finished)
+
+    def _fingerprint(self, name: str) -> tuple[int, ...]:
+        """The identity of adapter ``name``'s tensors (its first layer's): changes when they are replaced."""
+        for _, layer in self.adapted.adapter_layers(name) if self.adapted is not None else ():
+            a = layer.adapters[name]
+            return (id(a), a.lora_A._version, a.lora_B._version)
+        return ()
 
     def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters:
         """The adapters a phase of ``seq`` runs with (its AMoLE route, or its names at ``weights``)."""

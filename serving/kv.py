@@ -5,6 +5,7 @@ at ``k[layer][slot, :, :n]`` (vLLM's idea of a cache managed apart from the mode
 paging: a slot is a contiguous row, so a decode step never copies the cache, it only writes each
 row's new position). The last slot is scratch: padded batch rows and padding tokens write there, so
 a padded batch (a CUDA graph bucket, a right-padded prefill chunk) never touches a real sequence.
+Spare slots after it hold recent prompts for :mod:`serving.prefix_cache`; no row ever reads them.
 A released slot's values are zeroed where its owner wrote, so every stale value a batch reads at
 weight 0 is finite (the attention then needs no masked copy of the cache).
 
@@ -21,7 +22,7 @@ from serving.errors import InvalidRequest
 
 
 class SlotKV:
-    """Per-layer K and V buffers ``(slots + 1, kv_heads, capacity, head_dim)`` and slot bookkeeping.
+    """Per-layer K and V buffers ``(slots + 1 + spare, kv_heads, capacity, head_dim)`` and slot bookkeeping.
 
     Args:
         num_layers: decoder layers.
@@ -32,15 +33,18 @@ class SlotKV:
         dtype: the cache dtype (the activations' dtype).
         device: where the buffers live (the model's device).
         grow: start small and double the capacity on demand (False: allocate ``max_len`` now).
+        spare: slots after the scratch slot for the prefix cache (never owned by a sequence).
     """
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device, grow: bool | None = None) -> None:
-        if num_slots < 1 or max_len < 1:
-            raise ValueError(f"num_slots and max_len must be >= 1, got {num_slots} and {max_len}")
+                 dtype: torch.dtype, device: torch.device, grow: bool | None = None, spare: int = 0) -> None:
+        if num_slots < 1 or max_len < 1 or spare < 0:
+            raise ValueError(f"num_slots and max_len must be >= 1 and spare >= 0, got {num_slots}, {max_len} "
+                             f"and {spare}")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.num_slots = num_slots
         self.scratch = num_slots  # index of the scratch slot
+        self.spare_slots = tuple(range(num_slots + 1, num_slots + 1 + spare))
         self.max_len = max_len
         self.dtype, self.device = dtype, torch.device(device)
         self.grow = self.device.type == "cpu" if grow is None else grow
@@ -55,13 +59,14 @@ class SlotKV:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
 
     def _buffer(self, capacity: int) -> torch.Tensor:
-        shape = (self.num_slots + 1, self.kv_heads, capacity, self.head_dim)
+        shape = (self.num_slots + 1 + len(self.spare_slots), self.kv_heads, capacity, self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def bytes_for(self, length: int) -> int:
         """Bytes the K and V buffers take at ``length`` positions per slot."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * (self.num_slots + 1) * self.kv_heads * length * self.head_dim * itemsize
+        rows = self.num_slots + 1 + len(self.spare_slots)
+        return 2 * self.num_layers * rows * self.kv_heads * length * self.head_dim * itemsize
 
     @property
     def capacity(self) -> int:

@@ -23,6 +23,7 @@ from serving.sequence import Sequence
 
 if TYPE_CHECKING:
     from serving.executor import RowOut
+    from serving.prefix_cache import PrefixCache
     from serving.runner.inputs import PrefillRow, RowAdapters
 
 
@@ -46,6 +47,8 @@ class EngineConfig:
             adapter and one local adapter per row); steps needing more run on the HF forward.
         max_lora_rank: largest adapter rank the fused runner serves (zero-padded below it).
         cuda_graphs: capture fused decode steps as CUDA graphs on CUDA.
+        prefix_cache_slots: recent prompts whose KV is kept for later prompts sharing a prefix under
+            the same adapter weights (:mod:`serving.prefix_cache`; 0: off).
     """
 
     max_batch_size: int = 8
@@ -58,13 +61,15 @@ class EngineConfig:
     lora_slots: int | None = None
     max_lora_rank: int = 16
     cuda_graphs: bool = True
+    prefix_cache_slots: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_model_len", "max_waiting", "max_prefill_tokens", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_decode_skips < 0:
-            raise ValueError(f"EngineConfig.max_decode_skips must be >= 0, got {self.max_decode_skips}")
+        for name in ("max_decode_skips", "prefix_cache_slots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.lora_slots is not None and self.lora_slots < 1:
             raise ValueError(f"EngineConfig.lora_slots must be >= 1, got {self.lora_slots}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
@@ -82,6 +87,7 @@ class Lifecycle:
     vocab_size: int
     eos_ids: frozenset[int]
     device: torch.device
+    prefixes: PrefixCache
 
     def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters: ...
 
@@ -140,6 +146,20 @@ class Lifecycle:
             seq.phase, seq.adapters = "route", self.row_adapters(seq, first)
         else:
             seq.phase, seq.adapters = "fill", self.row_adapters(seq, tuple(req.adapter_weights))
+        self._reuse_prefix(seq)
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start a ``fill`` pass after the longest cached prefix of the prompt under the pass's weights.
+
+        Not a routing pass: a reused prefix moves its final-layer state by float rounding, and the
+        seeded random FedDPA draw hashes that state's bytes (``serving.feddpa_router``), so the same
+        prompt would no longer draw the same instances. Not when the prompt's log-probabilities are
+        asked for: every position's logits are then needed.
+        """
+        req = seq.handle.request
+        if seq.slot is None or seq.phase != "fill" or req.sampling.prompt_logprobs is not None:
+            return
+        seq.filled = self.prefixes.reuse(seq.adapters, seq.ids, seq.slot)
 
     def prefilled(self, seq: Sequence, out: RowOut) -> bool:
         """A chunk of the prompt went through; True when its first token is sampled from ``out``.
@@ -157,6 +177,8 @@ class Lifecycle:
             seq.state_sum = out.state_sum if seq.state_sum is None else seq.state_sum + out.state_sum
         if seq.filled < len(seq.ids):
             return False
+        if seq.slot is not None and seq.phase == "fill":
+            self.prefixes.remember(seq.adapters, seq.ids, seq.slot)
         if seq.phase == "route":
             assert req.weight_fn is not None and out.state is not None
             state = out.state if req.state_pooling == "last" else seq.state_sum / len(seq.ids)  # type: ignore[operator]
@@ -171,6 +193,7 @@ class Lifecycle:
             again = weights != tuple(float(w) for w in first) or req.sampling.prompt_logprobs is not None
             if req.exact_prefill and again:
                 seq.phase, seq.filled, seq.adapters = "fill", 0, self.row_adapters(seq, weights)
+                self._reuse_prefix(seq)
                 return False
             seq.adapters = self.row_adapters(seq, weights)
         seq.phase = "decode"

@@ -41,6 +41,8 @@ class ServeSettings(BaseSettings):
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per engine step (chunked)")
     max_decode_skips: int = Field(2, ge=0, description="steps in a row that prefill waiting prompts without "
                                                        "decoding the running ones (0: every step decodes)")
+    prefix_cache_slots: int = Field(4, ge=0, description="recent prompts whose KV later prompts sharing a prefix "
+                                                         "under the same adapter weights reuse (0: off)")
     request_timeout_s: float | None = Field(600.0, gt=0, description="deadline of a request (504 beyond); null: none")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="on shutdown, running requests get this long to finish")
     exit_on_engine_failure: bool = Field(True, description="exit with status 70 when the engine thread dies, so "

@@ -42,6 +42,7 @@ def stack_config(settings: ServeSettings) -> StackConfig:
         max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
                                                    max_decode_skips=s.max_decode_skips,
+                                                   prefix_cache_slots=s.prefix_cache_slots,
                                                    request_timeout_s=s.request_timeout_s),
         feddpa_routing=routing, feddpa_weighting=weighting,  # type: ignore[arg-type]
         feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]

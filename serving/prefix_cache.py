@@ -1,0 +1,112 @@
+"""Prompt-prefix reuse: the KV of recently prefilled prompts, kept in spare slots of the cache.
+
+vLLM's automatic prefix caching, kept small: a prompt pass that ends (its whole prompt written under
+one row's adapter weights) is copied into the least recently used spare slot of :class:`SlotKV`,
+unless a spare already holds it. A later pass with the same adapters at the same weights copies the
+longest prefix it shares with a spare into its own slot and prefills from there, always leaving its
+last token to compute (its logits are the pass's output). Chat prompts share their template and
+system prompt, so requests for one target (an adapter, a fixed mixture, the base) share them. Only the
+final pass of a prompt takes part: a FedDPA routing pass (paper 000 section 4.3) does not, since its
+final-layer state seeds the random draw of instances (``Lifecycle._reuse_prefix``).
+
+Keys are the engine-internal adapter names (``<name>@<version>``, so a reloaded adapter never
+matches), the weights, and the identity of each adapter's tensors (an adapter changed in place does
+not match either). The KV of a prefix depends only on those and the tokens: reusing it is the pass
+itself, up to the floating-point rounding of a different batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from serving.kv import SlotKV
+from serving.runner.inputs import RowAdapters
+
+Key = tuple[object, ...]
+
+
+@dataclass
+class _Entry:
+    key: Key
+    tokens: tuple[int, ...]
+    used: int
+
+
+class PrefixCache:
+    """Prompt KV kept in the spare slots of ``kv`` (none: every lookup misses).
+
+    Args:
+        kv: the engine's cache, with ``spare`` slots.
+        fingerprint: the identity of an adapter's tensors by internal name (changes when they change).
+    """
+
+    def __init__(self, kv: SlotKV, fingerprint: Callable[[str], object]) -> None:
+        self.kv, self.fingerprint = kv, fingerprint
+        self._entries: dict[int, _Entry] = {}
+        self._tick = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def key(self, adapters: RowAdapters) -> Key | None:
+        """The cache key of a pass with ``adapters``; None for an AMoLE row (routed per token)."""
+        if not adapters.plain:
+            return None
+        return (adapters.names, adapters.weights, tuple(self.fingerprint(n) for n in adapters.names))
+
+    def _longest(self, key: Key, ids: Sequence[int]) -> tuple[int, int]:
+        """(spare slot, shared length) of the entry sharing the longest prefix with ``ids``; (-1, 0) if none."""
+        best = (-1, 0)
+        for slot, entry in self._entries.items():
+            if entry.key != key:
+                continue
+            n = 0
+            for a, b in zip(entry.tokens, ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best[1]:
+                best = (slot, n)
+        return best
+
+    def reuse(self, adapters: RowAdapters, ids: Sequence[int], slot: int) -> int:
+        """Copy the longest cached prefix of ``ids`` under ``adapters`` into ``slot``; returns its length.
+
+        At most ``len(ids) - 1`` positions: the last prompt token is always computed.
+        """
+        key = self.key(adapters)
+        if key is None or not self._entries:
+            return 0
+        spare, n = self._longest(key, ids)
+        n = min(n, len(ids) - 1)
+        if n <= 0:
+            return 0
+        self._copy(spare, slot, n)
+        self._tick += 1
+        self._entries[spare].used = self._tick
+        self.hits += 1
+        self.reused_tokens += n
+        return n
+
+    def remember(self, adapters: RowAdapters, ids: Sequence[int], slot: int) -> None:
+        """Keep the prompt ``ids`` that ``slot`` holds under ``adapters`` (unless a spare already does)."""
+        key = self.key(adapters)
+        if key is None or not self.kv.spare_slots:
+            return
+        if self._longest(key, ids)[1] >= len(ids):
+            return
+        free = [s for s in self.kv.spare_slots if s not in self._entries]
+        spare = free[0] if free else min(self._entries, key=lambda s: self._entries[s].used)
+        self._copy(slot, spare, len(ids))
+        self._tick += 1
+        self._entries[spare] = _Entry(key, tuple(ids), self._tick)
+
+    def clear(self) -> None:
+        """Forget every entry (the cache was reset)."""
+        self._entries.clear()
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        self.kv.ensure(n)
+        for buffers in (self.kv.k, self.kv.v):
+            for layer in buffers:
+                layer[dst, :, :n] = layer[src, :, :n]

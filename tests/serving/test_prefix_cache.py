@@ -1,0 +1,105 @@
+"""Prompt-prefix reuse (serving.prefix_cache): the same tokens as without it, and reuse only where exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import LoadedModel
+from serving.engine import Engine, EngineConfig
+from serving.request import GenerationRequest
+from serving.sampling import SamplingParams
+from tests.serving.helpers import adapted_with, randomize
+
+SYSTEM = "You are a careful assistant who answers briefly. "
+
+
+def ask(question: str, weights: tuple[float, float] = (0.5, 0.5), **kw: object) -> GenerationRequest:
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    return GenerationRequest(prompt=SYSTEM + question, sampling=params, adapter_names=("g", "l1"),
+                             adapter_weights=weights)
+
+
+@pytest.fixture()
+def engines(tiny: LoadedModel) -> tuple[Engine, Engine]:
+    adapted = adapted_with(tiny)
+    return (Engine(tiny, adapted, EngineConfig(max_batch_size=4, prefix_cache_slots=2)),
+            Engine(tiny, adapted, EngineConfig(max_batch_size=4, prefix_cache_slots=0)))
+
+
+def test_a_shared_prefix_is_reused_and_decodes_as_without_the_cache(engines: tuple[Engine, Engine]) -> None:
+    cached, plain = engines
+    first, second = ask("Name a colour."), ask("Name a fruit.")
+    shared = 0
+    ids = [cached.tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in (first, second)]  # type: ignore[operator]
+    while ids[0][shared] == ids[1][shared]:
+        shared += 1
+    out = [cached.generate([r])[0].token_ids for r in (first, second, first)]
+    assert out == [plain.generate([r])[0].token_ids for r in (first, second, first)]
+    assert cached.prefixes.hits == 2
+    assert cached.prefixes.reused_tokens == shared + len(ids[0]) - 1  # the repeat computes only its last token
+    assert plain.prefixes.hits == 0
+
+
+def test_other_weights_or_changed_adapters_never_reuse(tiny: LoadedModel, engines: tuple[Engine, Engine]) -> None:
+    cached, plain = engines
+    cached.generate([ask("Name a colour.")])
+    cached.generate([ask("Name a colour.", weights=(0.3, 0.7))])
+    assert cached.prefixes.hits == 0
+    randomize(cached.adapted, "l1", seed=77)  # the same internal name, new tensors: its cached KV is stale
+    again = ask("Name a colour.")
+    assert cached.generate([again])[0].token_ids == plain.generate([again])[0].token_ids
+    assert cached.prefixes.hits == 0
+
+
+def test_the_least_recently_used_prompt_is_replaced(tiny: LoadedModel) -> None:
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=2, prefix_cache_slots=1))
+    a, b = GenerationRequest(prompt="alpha beta gamma", sampling=SamplingParams(max_tokens=2, temperature=0)), \
+        GenerationRequest(prompt="delta epsilon", sampling=SamplingParams(max_tokens=2, temperature=0))
+    for request in (a, b, a):
+        engine.generate([request])
+    assert engine.prefixes.hits == 0  # b replaced a in the one spare slot
+    engine.generate([a])
+    assert engine.prefixes.hits == 1
+
+
+def test_routing_passes_and_prompt_logprobs_compute_every_token(engines: tuple[Engine, Engine]) -> None:
+    cached, plain = engines
+    with_logprobs = ask("Name a colour.", prompt_logprobs=1)
+    first = cached.generate([with_logprobs])[0]
+    again = cached.generate([with_logprobs])[0]
+    assert cached.prefixes.hits == 0 and again.prompt_logprobs == first.prompt_logprobs
+    states = []
+
+    def route(state):  # type: ignore[no-untyped-def]
+        states.append(state)
+        return (0.5, 0.5), {}
+
+    routed = GenerationRequest(prompt=SYSTEM + "Name a fruit.", adapter_names=("g", "l1"), adapter_weights=(0.5, 0.5),
+                               prefill_weights=(1.0, 0.0), weight_fn=route, exact_prefill=True,
+                               sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    cached.generate([routed])
+    hits = cached.prefixes.hits
+    cached.generate([routed])  # its exact pass (routed weights) reuses the first one's; its routing pass never
+    assert cached.prefixes.hits == hits + 1
+    assert states[0].equal(states[1])  # the routing state is bitwise the same: the seeded draw stays put
+
+
+def test_negative_slots_are_refused() -> None:
+    with pytest.raises(ValueError, match="prefix_cache_slots"):
+        EngineConfig(prefix_cache_slots=-1)
+
+
+def test_the_server_option_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from serving.api.app import stack_config
+    from serving.cli import add_serve_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser.add_subparsers())
+    assert stack_config(settings_from_args(parser.parse_args(["serve"]))).engine.prefix_cache_slots == 4
+    given = settings_from_args(parser.parse_args(["serve", "--prefix-cache-slots", "0"]))
+    assert stack_config(given).engine.prefix_cache_slots == 0
+    monkeypatch.setenv("FEDMOSAIC_SERVE_PREFIX_CACHE_SLOTS", "-2")
+    with pytest.raises(SystemExit, match="prefix_cache_slots"):
+        settings_from_args(parser.parse_args(["serve"]))
