@@ -105,8 +105,7 @@ class PrefixCache:
         """Forget every entry (the cache was reset)."""
         self._entries.clear()
 
-    def _copy(self, src: int, dst: int, n: int) -> None:
-        self.kv.ensure(n)
+    def _copy(self, src: int, dst: int, n: int) -> None:  # n: positions src already holds
         for buffers in (self.kv.k, self.kv.v):
             for layer in buffers:
                 layer[dst, :, :n] = layer[src, :, :n]
