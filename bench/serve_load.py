@@ -11,9 +11,11 @@ drives it with httpx:
    alone and in a batch, or the check below could not see anything or would see batch noise);
 2. idle: one client alone sends ``--idle-requests`` requests one after another (the idle TTFT);
 3. load: ``--clients`` streaming clients (starting evenly spread over ``--ramp`` s, as load tools ramp
-   users up) for ``--duration`` s, each request for one of the run's
-   ``<client>`` targets (instance-wise FedDPA weights) in turn, and every ``--probe-every``-th request of
-   each client (staggered across clients, so probes run from the first requests on) the probe to
+   users up) for ``--duration`` s, each request for one of the run's ``<client>`` targets
+   (instance-wise FedDPA weights) in turn with a question not asked before (the server's prefix cache
+   reuses the chat template and system prompt, never a whole prompt), and every
+   ``--probe-every``-th request of each client (staggered across clients, so probes run from the
+   first requests on) the probe to
    ``hot``; meanwhile ``hot`` is reloaded every ``--reload-every`` s
    through ``POST /v1/load_lora_adapter`` (``load_inplace``: a new version), alternately from the folders
    of versions B and A.
@@ -31,7 +33,8 @@ latency percentiles are given twice: over every request, and in ``steady`` over 
 ``--warmup`` s (the first requests of all clients arrive together and queue behind each other's
 prefill: that start-up burst is reported, the ratio is taken in the steady state after it). The
 server's own step counts and mean step times of the load phase (per kind, from its /metrics) say
-where the time went.
+where the time went, with the prompt tokens its prefill passes computed and those it reused from cached
+prefixes.
 Usage: python bench/serve_load.py [--model tiny] [--clients 64] [--duration 120] [--max-batch-size 64]
 """
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -236,12 +240,20 @@ async def references(client: httpx.AsyncClient, t0: float, probe: str, folders: 
     return ref
 
 
+COUNTERS = {"fedmosaic_engine_prefill_tokens": "prefill_tokens_computed",
+            "fedmosaic_prefix_cache_reused_tokens": "prefix_tokens_reused",
+            "fedmosaic_prefix_cache_hits": "prefix_hits"}
+
+
 async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
-    """Per step kind (prefill, decode, mixed): the server's (step count, seconds) so far, from /metrics."""
+    """Per step kind (prefill, decode, mixed): the server's (step count, seconds) so far, from /metrics;
+    and under the names of ``COUNTERS`` its prompt-token counters as (value, 0)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, list[float]] = {}
     for family in text_string_to_metric_families((await client.get("/metrics")).text):
+        if family.name in COUNTERS:
+            totals[COUNTERS[family.name]] = [sum(x.value for x in family.samples if x.name.endswith("_total")), 0.0]
         if family.name != "fedmosaic_engine_step_seconds":
             continue
         for sample in family.samples:
@@ -253,11 +265,14 @@ async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float
 
 def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
                  wall: float) -> dict[str, object]:
-    """Engine steps of the load phase per kind: how many, their mean, and the share of the wall time."""
+    """Engine steps of the load phase per kind (how many, their mean, the share of the wall time) and the
+    prompt tokens computed and reused meanwhile."""
     out: dict[str, object] = {}
     for kind, (count, seconds) in sorted(after.items()):
         n, sec = count - before.get(kind, (0.0, 0.0))[0], seconds - before.get(kind, (0.0, 0.0))[1]
-        if n:
+        if kind in COUNTERS.values():
+            out[kind] = int(n)
+        elif n:
             out[kind] = {"steps": int(n), "mean_ms": round(1e3 * sec / n, 1),
                          "share_of_wall": round(sec / wall, 3) if wall > 0 else None}
     return out
@@ -272,7 +287,8 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
         company = [(f"c{c}", texts[c % len(texts)]) for c in range(min(8, a.run_clients))]
         ref = await references(client, t0, probe, folders, a.probe_tokens, company)
         targets = [f"c{c}" for c in range(a.run_clients)]
-        idle = [await stream(client, t0, targets[i % len(targets)], texts[i % len(texts)], a.max_tokens)
+        asked = itertools.count(len(texts))  # each request a question not asked before (no whole-prompt reuse)
+        idle = [await stream(client, t0, targets[i % len(targets)], questions(1, next(asked))[0], a.max_tokens)
                 for i in range(a.idle_requests)]
         timeline = Timeline("A")
         replies: list[Reply] = []
@@ -289,7 +305,7 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
                     replies.append(await stream(client, t0, HOT, probe, a.probe_tokens, probe=True))
                 else:
                     k = u + n
-                    replies.append(await stream(client, t0, targets[k % len(targets)], texts[k % len(texts)],
+                    replies.append(await stream(client, t0, targets[k % len(targets)], questions(1, next(asked))[0],
                                                 a.max_tokens))
 
         async def reloader() -> None:

@@ -15,6 +15,8 @@ Cases, interleaved round by round, medians reported:
   engine_feddpa_seq   the engine, the 8 FedDPA requests one after another (no batching)
   peft_sequential     HF PEFT holding each client's (1 - a, a) mixture as one adapter (the exact
                       rank-concatenated export), ``set_adapter`` per request, ``generate`` one by one
+Every call of a case gets prompts not seen before (``Fresh``), so the engine's prefix cache reuses only
+what a server would: the chat template and system prompt, never a whole repeated prompt.
 Then time to first token (TTFT) of one new request: on an idle engine, and while 7 other clients'
 requests are decoding (this thread drives the engine as a server's engine thread; the new request comes
 from another thread and is prefilled between steps).
@@ -42,6 +44,30 @@ from serving.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 
 CLIENTS = 8
+
+
+class Fresh:
+    """Chat prompts never sent before, so no case finds its prompts whole in the engine's prefix cache
+    (``serving.prefix_cache``; a server sees new questions after the same chat template and system
+    prompt); ``engine_base`` and ``hf_generate_batch`` share one set per round (the same 8 prompts)."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer, self.offset, self.rounds = tokenizer, 0, {}  # type: ignore[var-annotated]
+
+    def batch(self, n: int = CLIENTS) -> list[str]:
+        """``n`` prompts not handed out before."""
+        self.offset += n
+        return prompts(self.tokenizer, n, 1000 + self.offset - n)
+
+    def one(self) -> str:
+        """One prompt not handed out before."""
+        return self.batch(1)[0]
+
+    def shared(self, r: int) -> list[str]:
+        """Round ``r``'s prompts of the cases that compare on the same prompts."""
+        if r not in self.rounds:
+            self.rounds[r] = self.batch()
+        return self.rounds[r]  # type: ignore[no-any-return]
 
 
 def run_jobs(stack: ServingStack, jobs: list[Job]) -> float:
@@ -147,11 +173,13 @@ def main() -> None:
         run = build_run(loaded, Path(tmp))
         stack = build_stack(StackConfig(model=args.model, run_dir=run, engine=EngineConfig(max_batch_size=CLIENTS)),
                             loaded=loaded)
-        texts = prompts(loaded.tokenizer, CLIENTS)
+        fresh = Fresh(loaded.tokenizer)
+        texts = fresh.batch()
         params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-        feddpa = [Job(f"c{c}", params, texts[c]) for c in range(CLIENTS)]
-        once = [Job(f"c{c}", params, texts[c], exact_prefill=False) for c in range(CLIENTS)]
-        base = [Job(stack.base_name, params, t) for t in texts]
+
+        def feddpa(exact: bool = True) -> list[Job]:
+            return [Job(f"c{c}", params, t, exact_prefill=exact) for c, t in enumerate(fresh.batch())]
+
         # each client's mixture at its fixed weight, exported exactly as one PEFT adapter of rank r_g + r_l
         folders = []
         alpha = float(stack.info["alpha"])
@@ -162,23 +190,26 @@ def main() -> None:
             lease.release()
         ploaded, pmodel = peft_model(args.model, args.dtype, folders)
         bare = load_base_model(args.model, dtype=args.dtype)  # a third copy: no adapter layers at all
-        run_jobs(stack, feddpa[:2])  # warm-up
+        run_jobs(stack, feddpa()[:2])  # warm-up
         hf_generate_batch(bare, texts, 2)
+        base_round = iter(range(args.rounds))
+        hf_round = iter(range(args.rounds))
         seconds = interleave({
-            "engine_feddpa": lambda: run_jobs(stack, feddpa),
-            "engine_feddpa_once": lambda: run_jobs(stack, once),
-            "engine_base": lambda: run_jobs(stack, base),
-            "hf_generate_batch": lambda: hf_generate_batch(bare, texts, args.tokens),
-            "engine_feddpa_seq": lambda: sum(run_jobs(stack, [j]) for j in feddpa),
-            "peft_sequential": lambda: peft_sequential(ploaded, pmodel, texts, args.tokens),
+            "engine_feddpa": lambda: run_jobs(stack, feddpa()),
+            "engine_feddpa_once": lambda: run_jobs(stack, feddpa(exact=False)),
+            "engine_base": lambda: run_jobs(stack, [Job(stack.base_name, params, t)
+                                                    for t in fresh.shared(next(base_round))]),
+            "hf_generate_batch": lambda: hf_generate_batch(bare, fresh.shared(next(hf_round)), args.tokens),
+            "engine_feddpa_seq": lambda: sum(run_jobs(stack, [j]) for j in feddpa()),
+            "peft_sequential": lambda: peft_sequential(ploaded, pmodel, fresh.batch(), args.tokens),
         }, args.rounds)
         total = CLIENTS * args.tokens
         tps = {k: round(total / median(v), 1) for k, v in seconds.items()}
-        load = [Job(f"c{c}", SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True), texts[c])
-                for c in range(CLIENTS - 1)]
-        probe = prompts(loaded.tokenizer, 1, 50)[0]
-        ttfts = interleave({"idle": lambda: ttft(stack, probe, []),
-                            "under_load_7": lambda: ttft(stack, probe, load)}, args.rounds)
+        endless = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+        ttfts = interleave({"idle": lambda: ttft(stack, fresh.one(), []),
+                            "under_load_7": lambda: ttft(stack, fresh.one(), [Job(f"c{c}", endless, t) for c, t in
+                                                                              enumerate(fresh.batch(CLIENTS - 1))])},
+                           args.rounds)
     print(json.dumps({
         "model": args.model, "dtype": loaded.dtype, "threads": torch.get_num_threads(), "clients": CLIENTS,
         "runner": "fused" if stack.engine.executor.fast is not None else "hf",

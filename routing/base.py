@@ -103,7 +103,10 @@ class WeightRouter(Protocol):
     :class:`RoutingDecision` over adapter names as the server knows them (``global``,
     ``<client>:local``). The serving engine asks for the state only when ``uses_state`` is True. A router
     may also declare ``pooling = "mean"``: it is then handed the mean of the prompt's final-layer states
-    instead of the last token's (paper 000 Table 10; absent: ``last``).
+    instead of the last token's (paper 000 Table 10; absent: ``last``). A router declaring
+    ``reads_prompt_ids = True`` is also given the prompt's token ids as ``prompt_ids`` (to key a seeded
+    random choice on the prompt: the state varies by float rounding with the batch and a reused
+    prompt prefix).
     """
 
     @property

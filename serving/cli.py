@@ -24,7 +24,8 @@ from serving.settings import ServeSettings
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     # every default is None: an option left out never overrides FEDMOSAIC_SERVE_* (ServeSettings' defaults apply)
     p.add_argument("sources", nargs="*", help="RUN_DIR (with run.json) or adapter folders as name=folder")
-    p.add_argument("--model", default=None, help="base model: smollm2 (default), tiny, or an HF folder")
+    p.add_argument("--model", default=None, help="base model: smollm2 (default; a run's own from its run.json), "
+                   "tiny, or an HF folder")
     p.add_argument("--served-model-name", default=None, help="name of the base model in the API")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)

@@ -12,16 +12,17 @@ the mean of the prompt's final-layer states (``pooling``) and every client's ind
 mean-pooled vectors (:meth:`InstanceWeightRouter.check_run`).
 
 In ``random`` mode with a seed, the S instances of a request are drawn from a generator seeded by
-(seed, client, the prompt's state): still a uniform draw per request, but the same prompt draws the
-same instances whatever order requests arrive in, so a re-run or resumed evaluation reproduces its
-weights (the state is deterministic because routed prompts are prefilled alone). Without a seed
-every request draws from fresh entropy.
+(seed, client, the prompt's token ids): still a uniform draw per request, but the same prompt draws
+the same instances whatever order requests arrive in, whichever batch prefills it and whether its
+prefix was reused from another prompt's pass, so a re-run or resumed evaluation reproduces its
+weights. A caller that gives no ids keys the draw on the state's bytes instead. Without a seed every
+request draws from fresh entropy.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class InstanceWeightRouter:
     version: int = 0
     version_of: Callable[[str], int | None] | None = None
     uses_state: bool = field(default=True, init=False)
+    reads_prompt_ids: bool = field(default=True, init=False)
 
     @property
     def pooling(self) -> str:
@@ -86,13 +88,21 @@ class InstanceWeightRouter:
         adapter = self.version_of(client) if self.version_of is not None else None
         return f"{self.version}" if adapter is None else f"{self.version}.{adapter}"
 
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision:
+    def __call__(self, client: str, hidden_state: torch.Tensor | None,
+                 prompt_ids: Sequence[int] | None = None) -> RoutingDecision:
+        """Weights of ``client``'s adapters for the prompt whose final-layer state is ``hidden_state`` (H,).
+
+        ``prompt_ids`` (the prompt's token ids) key the seeded random draw; without them the state does.
+        """
         if hidden_state is None:
             raise ValueError("instance-wise FedDPA weighting needs the prompt's hidden state")
         generator = None
         if self.router.mode == "random" and self.router.seed is not None:
-            state = hidden_state.detach().float().cpu().contiguous().numpy().tobytes()
-            generator = np.random.default_rng([self.router.seed, zlib.crc32(client.encode()), zlib.crc32(state)])
+            if prompt_ids is not None:
+                key = np.asarray(list(prompt_ids), dtype=np.int64).tobytes()
+            else:
+                key = hidden_state.detach().float().cpu().contiguous().numpy().tobytes()
+            generator = np.random.default_rng([self.router.seed, zlib.crc32(client.encode()), zlib.crc32(key)])
         decision = self.router.decide(hidden_state, self.cache.get(client, self.cache_key(client)), generator, client)
         return RoutingDecision(decision.names, decision.weights, {**dict(decision.info), "source": "instance"})
 

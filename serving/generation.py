@@ -143,7 +143,7 @@ def plan_weights(stack: ServingStack, plan: TargetPlan, internal: Sequence[str],
 
     A routed plan is run as the engine runs it: each prompt is prefilled alone with the plan's
     ``prefill_weights`` and the final-layer state of its last token (or their mean, ``plan.pooling``)
-    goes to ``weight_fn``.
+    goes to ``weight_fn`` with the prompt's ids.
 
     Args:
         stack: the serving stack whose model runs the prefills.
@@ -166,7 +166,7 @@ def plan_weights(stack: ServingStack, plan: TargetPlan, internal: Sequence[str],
                 out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)  # type: ignore[operator]
             hidden = out.hidden_states[-1]  # (1, T, H): one prompt, no padding
             state = hidden[0].float().mean(dim=0) if plan.pooling == "mean" else hidden[0, -1].float()  # (H,)
-            weights, info = plan.weight_fn(state)
+            weights, info = plan.weight_fn(state, ids[0].tolist())
             rows.append((tuple(float(w) for w in weights), dict(info)))
     return rows
 

@@ -149,15 +149,18 @@ class Lifecycle:
         self._reuse_prefix(seq)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start a ``fill`` pass after the longest cached prefix of the prompt under the pass's weights.
+        """Start a prompt pass after the longest cached prefix of the prompt under the pass's weights.
 
-        Not a routing pass: a reused prefix moves its final-layer state by float rounding, and the
-        seeded random FedDPA draw hashes that state's bytes (``serving.feddpa_router``), so the same
-        prompt would no longer draw the same instances. Not when the prompt's log-probabilities are
-        asked for: every position's logits are then needed.
+        A routing pass reuses one too (FedDPA's is the global adapter alone, shared by every client's
+        requests): its last token's state then differs from a full pass's by float rounding only, and
+        the seeded random FedDPA draw keys on the prompt's ids, not on the state. Not a routing pass
+        pooling the mean state (the reused positions' states are not computed), and not when the
+        prompt's log-probabilities are asked for (every position's logits are needed).
         """
         req = seq.handle.request
-        if seq.slot is None or seq.phase != "fill" or req.sampling.prompt_logprobs is not None:
+        if seq.slot is None or req.sampling.prompt_logprobs is not None:
+            return
+        if seq.phase == "route" and req.state_pooling != "last":
             return
         seq.filled = self.prefixes.reuse(seq.adapters, seq.ids, seq.slot)
 
@@ -177,12 +180,12 @@ class Lifecycle:
             seq.state_sum = out.state_sum if seq.state_sum is None else seq.state_sum + out.state_sum
         if seq.filled < len(seq.ids):
             return False
-        if seq.slot is not None and seq.phase == "fill":
+        if seq.slot is not None:
             self.prefixes.remember(seq.adapters, seq.ids, seq.slot)
         if seq.phase == "route":
             assert req.weight_fn is not None and out.state is not None
             state = out.state if req.state_pooling == "last" else seq.state_sum / len(seq.ids)  # type: ignore[operator]
-            routed, info = req.weight_fn(state.cpu())
+            routed, info = req.weight_fn(state.cpu(), seq.ids)
             weights = tuple(float(w) for w in routed)
             if len(weights) != len(req.adapter_names):
                 raise InvalidRequest(f"weight_fn returned {len(weights)} weights for {req.adapter_names}")

@@ -3,8 +3,9 @@
 Each step prefills at most ``max_prefill_tokens`` prompt tokens in one batched forward (AMoLE rows
 alone). A routed request (FedDPA instance-wise weighting, paper 000 section 4.3) first runs a
 routing pass with its prefill weights; when the routing pass ends within the step, its exact pass
-with the routed weights runs in the same step if the budget allows, so its first token comes one
-step sooner. Whether the step then decodes is the engine's choice (:meth:`Engine.step`).
+with the routed weights runs in the same step, so its first token comes one step sooner: a routing
+pass that would end here is started only while the budget holds both passes (or the step has
+nothing else to do). Whether the step then decodes is the engine's choice (:meth:`Engine.step`).
 """
 
 from __future__ import annotations
@@ -37,14 +38,19 @@ class PrefillSteps(Lifecycle):
         # when the step's token budget allows: a FedDPA request's first token comes one step sooner.
         budget = self.config.max_prefill_tokens
         budget, rerouted = self._prefill_pass([s for s in self._active if s.phase in ("route", "fill")], budget,
-                                              finished)
+                                              finished, reserve=True)
         if rerouted and budget > 0:
             budget, _ = self._prefill_pass(rerouted, budget, finished)
         return self.config.max_prefill_tokens - budget
 
-    def _prefill_pass(self, seqs: list[Sequence], budget: int,
-                      finished: Finished) -> tuple[int, list[Sequence]]:
+    def _prefill_pass(self, seqs: list[Sequence], budget: int, finished: Finished,
+                      reserve: bool = False) -> tuple[int, list[Sequence]]:
         """Prefill one chunk of each of ``seqs`` within ``budget`` tokens.
+
+        With ``reserve``, a routing pass that would end in this step is taken only while the budget
+        also holds its exact pass (the whole prompt again), unless nothing was taken yet: a burst of
+        routed prompts then gets its first tokens in arrival order, a step's worth at a time, instead
+        of every routing pass first and every first token a step later.
 
         Returns:
             The budget left and the sequences this pass moved from ``route`` to ``fill``.
@@ -55,8 +61,11 @@ class PrefillSteps(Lifecycle):
             if budget <= 0:
                 break
             n = min(len(seq.ids) - seq.filled, budget)
-            budget -= n
             req = seq.handle.request
+            both = seq.phase == "route" and req.exact_prefill and seq.filled + n == len(seq.ids)
+            if reserve and both and n + len(seq.ids) > budget and (plain or solo):
+                continue
+            budget -= n
             final = seq.phase == "fill" or not req.exact_prefill  # this pass's KV and logits are kept
             row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
                              seq.adapters, want_state=seq.phase == "route",

@@ -1,18 +1,22 @@
 """Prompt-prefix reuse: the KV of recently prefilled prompts, kept in spare slots of the cache.
 
 vLLM's automatic prefix caching, kept small: a prompt pass that ends (its whole prompt written under
-one row's adapter weights) is copied into the least recently used spare slot of :class:`SlotKV`,
-unless a spare already holds it. A later pass with the same adapters at the same weights copies the
-longest prefix it shares with a spare into its own slot and prefills from there, always leaving its
-last token to compute (its logits are the pass's output). Chat prompts share their template and
-system prompt, so requests for one target (an adapter, a fixed mixture, the base) share them. Only the
-final pass of a prompt takes part: a FedDPA routing pass (paper 000 section 4.3) does not, since its
-final-layer state seeds the random draw of instances (``Lifecycle._reuse_prefix``).
+one row's adapter weights) is copied into a spare slot of :class:`SlotKV` (a free one, else the least
+recently used of those never reused, else the least recently used), unless a spare already holds it.
+A later pass with the same adapters at the same weights copies the longest prefix it shares with a
+spare into its own slot and prefills from there, always leaving its last token to compute (its
+logits are the pass's output). A prompt sharing a prefix with a spare under the same key replaces it
+(it holds that prefix too), so prompts that differ after a shared system prompt take one spare
+between them and leave the others to other keys. Chat prompts share their template and system
+prompt, so requests for one target (an adapter, a fixed mixture, the base) share them, and so do the
+FedDPA routing passes (paper 000 section 4.3) of every client's requests: each runs the global
+adapter alone, like a request for ``global`` (``Lifecycle._reuse_prefix`` says which passes take part).
 
 Keys are the engine-internal adapter names (``<name>@<version>``, so a reloaded adapter never
 matches), the weights, and the identity of each adapter's tensors (an adapter changed in place does
-not match either). The KV of a prefix depends only on those and the tokens: reusing it is the pass
-itself, up to the floating-point rounding of a different batch.
+not match either), leaving out adapters at weight 0: they contribute nothing to any layer's output. The
+KV of a prefix depends only on those and the tokens: reusing it is the pass itself, up to the
+floating-point rounding of a different batch.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class _Entry:
     key: Key
     tokens: tuple[int, ...]
     used: int
+    hits: int = 0  # reuses of this spare's prefix (kept when a prompt sharing it replaces the prompt)
 
 
 class PrefixCache:
@@ -52,7 +57,9 @@ class PrefixCache:
         """The cache key of a pass with ``adapters``; None for an AMoLE row (routed per token)."""
         if not adapters.plain:
             return None
-        return (adapters.names, adapters.weights, tuple(self.fingerprint(n) for n in adapters.names))
+        # (global 1, local 0) is global alone: a routing pass shares its prefix with every client's and `global`'s
+        return tuple((n, w, self.fingerprint(n)) for n, w in zip(adapters.names, adapters.weights, strict=True)
+                     if w != 0)
 
     def _longest(self, key: Key, ids: Sequence[int]) -> tuple[int, int]:
         """(spare slot, shared length) of the entry sharing the longest prefix with ``ids``; (-1, 0) if none."""
@@ -84,6 +91,7 @@ class PrefixCache:
         self._copy(spare, slot, n)
         self._tick += 1
         self._entries[spare].used = self._tick
+        self._entries[spare].hits += 1
         self.hits += 1
         self.reused_tokens += n
         return n
@@ -93,13 +101,19 @@ class PrefixCache:
         key = self.key(adapters)
         if key is None or not self.kv.spare_slots:
             return
-        if self._longest(key, ids)[1] >= len(ids):
+        spare, shared = self._longest(key, ids)
+        if shared >= len(ids):
             return
-        free = [s for s in self.kv.spare_slots if s not in self._entries]
-        spare = free[0] if free else min(self._entries, key=lambda s: self._entries[s].used)
+        hits = 0
+        if shared == 0:  # a new prefix: a free spare, else the least recently used, never-reused ones first
+            free = [s for s in self.kv.spare_slots if s not in self._entries]
+            spare = free[0] if free else min(self._entries,
+                                             key=lambda s: (self._entries[s].hits > 0, self._entries[s].used))
+        else:  # the entry sharing the longest prefix under this key: the new prompt holds that prefix too, so
+            hits = self._entries[spare].hits  # prompts after one system prompt keep one spare, not all of them
         self._copy(slot, spare, len(ids))
         self._tick += 1
-        self._entries[spare] = _Entry(key, tuple(ids), self._tick)
+        self._entries[spare] = _Entry(key, tuple(ids), self._tick, hits)
 
     def clear(self) -> None:
         """Forget every entry (the cache was reset)."""

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
-# (H,) float32 final-layer state of the prompt's last token (or the mean over its tokens, ``state_pooling``)
-# -> (adapter weights (K,), info for the response)
-WeightFn = Callable[[torch.Tensor], tuple[Sequence[float], Mapping[str, Any]]]
+# ((H,) float32 final-layer state of the prompt's last token (or the mean over its tokens, ``state_pooling``),
+#  the prompt's token ids) -> (adapter weights (K,), info for the response)
+WeightFn = Callable[[torch.Tensor, Sequence[int]], tuple[Sequence[float], Mapping[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,11 @@ class GenerationRequest:
         adapter_names: K adapter names loaded in the model (empty: the base model).
         adapter_weights: (K,) weights over ``adapter_names`` for every forward of this request.
         request_id: a unique id (a random one by default).
-        weight_fn: routing hook; when set, prefill runs with ``prefill_weights`` and returns the
-            prompt's final-layer last-token state to ``weight_fn``, whose weights are used from the
-            first decode step on (FedDPA: ``prefill_weights`` puts the global adapter alone at 1).
+        weight_fn: routing hook; when set, prefill runs with ``prefill_weights`` and hands the
+            prompt's final-layer last-token state and its token ids to ``weight_fn``, whose weights
+            are used from the first decode step on (FedDPA: ``prefill_weights`` puts the global
+            adapter alone at 1). The state may come from a prefix reused from another prompt's pass
+            (float rounding apart the same state): anything random must key on the ids, not the state.
         prefill_weights: (K,) weights of the prefill when ``weight_fn`` is set.
         exact_prefill: with ``weight_fn``, run the prefill a second time with the routed weights so
             the prompt's KV cache and the first token use them too (2x prefill cost, exact FedDPA).

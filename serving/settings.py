@@ -22,7 +22,8 @@ class ServeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FEDMOSAIC_SERVE_", extra="ignore")
 
-    model: str = Field("smollm2", description="base model: smollm2, tiny, or an HF model folder")
+    model: str = Field("smollm2", description="base model: smollm2, tiny, or an HF model folder (a served run's "
+                       "own, from its run.json, unless given)")
     served_model_name: str | None = Field(None, description="name of the base model in the API (default: model)")
     dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE, "
                                                 "else bfloat16 on CUDA, autocast-bf16 on a CPU with native "
@@ -122,6 +123,25 @@ class ServeSettings(BaseSettings):
             self.feddpa_plan()
         return self
 
+    @model_validator(mode="after")
+    def _run_model(self) -> ServeSettings:
+        """Serve a run on the base model it was trained on: ``run.json``'s unless ``model`` was given, and a
+        given one that differs is refused here (its adapters would not load) unless ``check_base`` is off."""
+        if self.run_dir is None or not (self.run_dir / "run.json").is_file():
+            return self
+        try:
+            trained = json.loads((self.run_dir / "run.json").read_text()).get("model")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"cannot read {self.run_dir / 'run.json'}: {exc}") from exc
+        if not isinstance(trained, str) or not trained:
+            return self
+        if "model" not in self.model_fields_set:
+            self.model = trained
+        elif self.check_base and not _same_model(self.model, trained, self.run_dir):
+            raise ValueError(f"the run {self.run_dir} was trained on the base model {trained!r}, not {self.model!r}; "
+                             f"leave out --model (FEDMOSAIC_SERVE_MODEL) to serve it on {trained!r}")
+        return self
+
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _key_list(cls, value: Any) -> Any:
@@ -132,3 +152,11 @@ class ServeSettings(BaseSettings):
                 return json.loads(text)
             return [k.strip() for k in text.split(",") if k.strip()]
         return value
+
+
+def _same_model(given: str, trained: str, run_dir: Path) -> bool:
+    """True when ``given`` names the model ``trained`` names (the same name, or the same folder)."""
+    if given == trained:
+        return True
+    paths = [Path(given), Path(trained) if Path(trained).is_absolute() else run_dir / trained, Path(trained)]
+    return paths[0].exists() and any(p.exists() and p.resolve() == paths[0].resolve() for p in paths[1:])

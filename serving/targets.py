@@ -158,8 +158,10 @@ class TargetResolver:
             decision = router(client, None)
             return TargetPlan("feddpa", names, _weights_for(names, decision), info=dict(decision.info), client=client)
 
-        def route(state: torch.Tensor) -> tuple[tuple[float, ...], Mapping[str, Any]]:
-            decision = router(client, state)
+        keyed = bool(getattr(router, "reads_prompt_ids", False))
+
+        def route(state: torch.Tensor, ids: Sequence[int]) -> tuple[tuple[float, ...], Mapping[str, Any]]:
+            decision = router(client, state, prompt_ids=ids) if keyed else router(client, state)  # type: ignore[call-arg]
             return _weights_for(names, decision), decision.info
 
         return TargetPlan("feddpa", names, (1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route, client=client,

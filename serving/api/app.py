@@ -59,7 +59,8 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     state.base_name = stack.base_name
     state.resolver = stack.resolver
     state.engine, state.pool, state.run = engine, pool, stack.run_info
-    state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count)
+    state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count,
+                       lambda: (engine.prefixes.hits, engine.prefixes.reused_tokens))
     engine.step_observers.append(state.metrics.observe_step)
     if state.settings.exit_on_engine_failure:
         engine.on_failure.append(_exit_soon)

@@ -1,5 +1,5 @@
-"""Prometheus metrics of one server: requests, tokens, latency, time to first token, engine steps, queue,
-adapters, FedDPA weights.
+"""Prometheus metrics of one server: requests, tokens, latency, time to first token, engine steps and the
+tokens they computed, prompt-prefix reuse, queue, adapters, FedDPA weights.
 
 A registry per app (not prometheus-client's global one), so several apps can live in one process
 (tests). Gauges read the engine and pool at scrape time.
@@ -7,10 +7,12 @@ A registry per app (not prometheus-client's global one), so several apps can liv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from serving.engine import StepReport
@@ -40,17 +42,41 @@ class Metrics:
         self.queue = Gauge("fedmosaic_queue_size", "Requests waiting to join the batch", registry=r)
         self.running = Gauge("fedmosaic_running_requests", "Requests in the running batch", registry=r)
         self.adapters = Gauge("fedmosaic_loaded_adapters", "Adapters loaded in the model", registry=r)
+        self.prefill_computed = Counter(
+            "fedmosaic_engine_prefill_tokens", "Prompt tokens run through prefill passes (a FedDPA request's "
+            "routing and exact passes both count; tokens of a reused prefix do not)", registry=r)
+        self.decode_rows = Counter("fedmosaic_engine_decode_rows", "Rows decoded by engine steps", registry=r)
+        self._prefixes = _PrefixCollector()
+        r.register(self._prefixes)
 
-    def bind(self, queue: Callable[[], float], running: Callable[[], float], adapters: Callable[[], float]) -> None:
-        """Make the gauges read live values at scrape time."""
+    def bind(self, queue: Callable[[], float], running: Callable[[], float], adapters: Callable[[], float],
+             prefixes: Callable[[], tuple[int, int]] | None = None) -> None:
+        """Make the gauges read live values at scrape time (``prefixes``: prefix-cache hits, reused tokens)."""
         self.queue.set_function(queue)
         self.running.set_function(running)
         self.adapters.set_function(adapters)
+        self._prefixes.read = prefixes
 
     def observe_step(self, report: StepReport) -> None:
         """Record one engine step (an :attr:`serving.engine.Engine.step_observers` callback)."""
         self.step.labels(report.kind).observe(report.seconds)
+        self.prefill_computed.inc(report.prefill_tokens)
+        self.decode_rows.inc(report.decode_rows)
 
     def render(self) -> bytes:
         """The exposition text."""
         return generate_latest(self.registry)
+
+
+class _PrefixCollector(Collector):
+    """The engine's prompt-prefix reuse counters (:mod:`serving.prefix_cache`), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[int, int]] | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        hits, tokens = self.read() if self.read is not None else (0, 0)
+        yield CounterMetricFamily("fedmosaic_prefix_cache_hits", "Prompt passes that reused a cached prefix",
+                                  value=hits)
+        yield CounterMetricFamily("fedmosaic_prefix_cache_reused_tokens",
+                                  "Prompt tokens copied from a cached prefix instead of computed", value=tokens)

@@ -156,12 +156,18 @@ class LlamaRunner:
         return self.slots.weights([[(where[n], w) for n, w in zip(r.names, r.weights, strict=True)] for r in rows],
                                   active)
 
-    def expand(self, w: torch.Tensor | None, repeat: int = 1) -> dict[str, torch.Tensor]:
-        """Per group (N, R_b) column weights on the device from (B, S_b) slot weights."""
+    def expand(self, w: torch.Tensor | None, repeat: int | Sequence[int] = 1) -> dict[str, torch.Tensor]:
+        """Per group (N, R_b) column weights on the device from (B, S_b) slot weights.
+
+        ``repeat``: tokens per row (one count for every row, or B counts); N is their total.
+        """
         if w is None or self.slots is None:
             return {}
         w = w.to(self.kv.device, non_blocking=True)
-        if repeat > 1:
+        if not isinstance(repeat, int):
+            counts = list(repeat)  # output_size: no device sync for the count
+            w = w.repeat_interleave(torch.tensor(counts, device=w.device), dim=0, output_size=sum(counts))
+        elif repeat > 1:
             w = w.repeat_interleave(repeat, dim=0)
         return {g: self.slots.expand(w, g).to(self.kv.dtype) for g in self.slots.layouts}
 
@@ -237,44 +243,53 @@ class LlamaRunner:
             return StepOutput(logits=self.decode_tensors(ids, pos, slots, lora))
 
     def prefill(self, rows: Sequence[PrefillRow]) -> StepOutput:
-        """Every row's chunk in one right-padded (B, T) batch; logits and states at each last token."""
+        """Every row's chunk packed into one (N,) token batch; logits and states at each last token.
+
+        The projections run over the N real tokens only (rows of different lengths, e.g. a routing
+        pass after a reused prefix beside a full exact pass, pad nothing there); the attention reads
+        them as a right-padded (B, T) batch.
+        """
         dev, kv = self.kv.device, self.kv
-        B, T = len(rows), max(len(r.tokens) for r in rows)
+        lens = [len(r.tokens) for r in rows]
+        B, T, N = len(rows), max(lens), sum(lens)
         kv.ensure(max(r.end for r in rows))
-        ids, pos, wslot, wpos = [], [], [], []
-        for r in rows:
-            n, pad = len(r.tokens), T - len(r.tokens)
-            ids += list(r.tokens) + [r.tokens[-1]] * pad
-            pos += list(range(r.start, r.end)) + [r.end - 1] * pad
-            wslot += [r.slot] * n + [kv.scratch] * pad
-            wpos += list(range(r.start, r.end)) + [0] * pad
+        ids, pos, wslot, padded = [], [], [], []
+        for b, r in enumerate(rows):
+            ids += list(r.tokens)
+            pos += list(range(r.start, r.end))
+            wslot += [r.slot] * len(r.tokens)
+            padded += range(b * T, b * T + len(r.tokens))
         slots = torch.tensor([r.slot for r in rows], device=dev)
         starts = torch.tensor([r.start for r in rows], device=dev)
         lengths = torch.tensor([r.end for r in rows], device=dev)
-        lora = self.expand(self.slot_weights([r.adapters for r in rows]), repeat=T)
+        lora = self.expand(self.slot_weights([r.adapters for r in rows]), repeat=lens)
+        where = None if N == B * T else torch.tensor(padded, device=dev)  # (N,) each token's (B, T) cell
 
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # q: (N, Hq, D)
+            if where is not None:
+                q = q.new_zeros(B * T, self.hq, self.head_dim).index_copy_(0, where, q)
             out = kernels.prefill_attention(q.view(B, T, self.hq, self.head_dim), kv.k[i], kv.v[i], slots, starts,
-                                            lengths, self.scale)
-            return out.reshape(B * T, self.hq, self.head_dim)
+                                            lengths, self.scale).reshape(B * T, self.hq, self.head_dim)
+            return out if where is None else out.index_select(0, where)
 
-        last = torch.tensor([b * T + len(r.tokens) - 1 for b, r in enumerate(rows)], device=dev)
+        ends = torch.tensor(lens, device=dev).cumsum(0)  # (B,) one past each row's last token
+        position = torch.tensor(pos, device=dev)
         every: list[torch.Tensor | None] | None = None
         with self.autocast():
-            x, residual = self.forward_tokens(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                                              torch.tensor(wslot, device=dev), torch.tensor(wpos, device=dev),
-                                              attend, lora)
-            logits, states = self.head(x.index_select(0, last), residual.index_select(0, last))
+            x, residual = self.forward_tokens(torch.tensor(ids, device=dev), position,
+                                              torch.tensor(wslot, device=dev), position, attend, lora)
+            logits, states = self.head(x.index_select(0, ends - 1), residual.index_select(0, ends - 1))
             if any(r.all_logits for r in rows):
                 every = []
                 for b, r in enumerate(rows):
-                    real = torch.arange(b * T, b * T + len(r.tokens), device=dev)
+                    real = torch.arange(int(ends[b]) - lens[b], int(ends[b]), device=dev)
                     every.append(self.head(x.index_select(0, real), residual.index_select(0, real))[0]
                                  if r.all_logits else None)
             want = any(r.want_state for r in rows)
             sums = None
-            if want:  # final norm over every position, summed over each row's real (left-aligned) tokens
-                normed = self.head_states(x, residual).view(B, T, -1).float()
-                real = torch.arange(T, device=dev) < torch.tensor([len(r.tokens) for r in rows], device=dev)[:, None]
-                sums = (normed * real.unsqueeze(-1)).sum(dim=1)  # (B, H)
+            if want:  # final norm over every token, summed per row
+                normed = self.head_states(x, residual).float()  # (N, H)
+                row_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lens, device=dev),
+                                                 output_size=N)
+                sums = normed.new_zeros(B, normed.shape[1]).index_add_(0, row_of, normed)  # (B, H)
         return StepOutput(logits=logits, states=states.float() if want else None, all_logits=every, state_sums=sums)

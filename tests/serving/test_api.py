@@ -192,6 +192,23 @@ def test_metrics(client: TestClient) -> None:
     assert 'fedmosaic_feddpa_local_weight_bucket{le="0.3"}' in text
 
 
+def test_metrics_count_computed_and_reused_prompt_tokens(client: TestClient) -> None:
+    def value(text: str, name: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    names = ("fedmosaic_engine_prefill_tokens_total", "fedmosaic_engine_decode_rows_total",
+             "fedmosaic_prefix_cache_hits_total", "fedmosaic_prefix_cache_reused_tokens_total")
+    request = {**CHAT, "model": "global", "max_tokens": 2, "messages": [{"role": "user", "content": "Count to three."}]}
+    client.post("/v1/chat/completions", json=request)
+    before = client.get("/metrics").text
+    body = client.post("/v1/chat/completions", json=request).json()  # the same prompt: its prefix is reused
+    after = client.get("/metrics").text
+    computed, rows, hits, reused = (value(after, n) - value(before, n) for n in names)
+    prompt = body["usage"]["prompt_tokens"]
+    assert hits == 1 and reused == prompt - 1 and computed == 1  # only the last prompt token is computed
+    assert rows >= 1
+
+
 def test_openai_client_against_uvicorn(settings: ServeSettings) -> None:
     openai = pytest.importorskip("openai")
     with socket.socket() as sock:

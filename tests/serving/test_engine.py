@@ -174,9 +174,11 @@ def test_stream_deltas_concatenate_to_text(engine: Engine) -> None:
 
 def test_weight_fn_sees_prefill_state_and_sets_decode_weights(engine: Engine) -> None:
     seen: list[torch.Tensor] = []
+    given: list[list[int]] = []
 
-    def route(state: torch.Tensor) -> tuple[list[float], dict[str, float]]:
+    def route(state: torch.Tensor, ids: list[int]) -> tuple[list[float], dict[str, float]]:
         seen.append(state)
+        given.append(list(ids))
         return [0.4, 0.6], {"alpha": 0.6}
 
     req = GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
@@ -186,6 +188,7 @@ def test_weight_fn_sees_prefill_state_and_sets_decode_weights(engine: Engine) ->
     direct = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
                                                 adapter_weights=(0.4, 0.6))])[0]
     assert seen[0].shape == (64,)
+    assert given == [engine.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]]  # type: ignore[operator]
     assert routed.adapter_weights == (0.4, 0.6) and routed.route_info == {"alpha": 0.6}
     assert routed.token_ids == direct.token_ids
 
@@ -206,7 +209,7 @@ def test_exact_routing_refills_in_the_same_step_when_the_budget_allows(tiny: Loa
     engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512))
     handle = engine.submit(GenerationRequest(
         prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
-        prefill_weights=(1.0, 0.0), weight_fn=lambda state: ([0.4, 0.6], {}), exact_prefill=True))
+        prefill_weights=(1.0, 0.0), weight_fn=lambda state, ids: ([0.4, 0.6], {}), exact_prefill=True))
     seq = next(s for s in engine._active + list(engine._waiting) if s.handle is handle)
     if budget is None:  # exactly one pass's tokens
         engine.config = dataclasses.replace(engine.config, max_prefill_tokens=len(seq.ids))
@@ -234,7 +237,8 @@ def test_routing_to_the_prefill_weights_skips_the_exact_pass(tiny: LoadedModel) 
 
     engine.executor.prefill = counting  # type: ignore[method-assign]
     req = GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
-                            prefill_weights=(1.0, 0.0), weight_fn=lambda state: ([1.0, 0.0], {}), exact_prefill=True)
+                            prefill_weights=(1.0, 0.0), weight_fn=lambda state, ids: ([1.0, 0.0], {}),
+                            exact_prefill=True)
     routed = engine.generate([req])[0]
     assert passes == [1] and routed.adapter_weights == (1.0, 0.0)
     passes.clear()

@@ -220,7 +220,7 @@ def test_a_mean_pooled_route_gets_the_mean_of_its_prompts_states(tiny: LoadedMod
     seen: dict[str, dict[str, torch.Tensor]] = {}
 
     def hook(prompt: str, pooling: str):  # noqa: ANN202 - a weight_fn
-        def fn(state: torch.Tensor) -> tuple[tuple[float, ...], dict]:
+        def fn(state: torch.Tensor, ids: object) -> tuple[tuple[float, ...], dict]:
             seen.setdefault(prompt, {})[pooling] = state
             return (1.0, 0.0), {}
         return fn

@@ -57,10 +57,10 @@ def test_malformed_text_and_token_ids_are_invalid_requests(engine: Engine) -> No
 
 
 def test_a_failing_router_fails_only_its_request(engine: Engine) -> None:
-    def broken(state: torch.Tensor) -> tuple[list[float], dict]:  # type: ignore[type-arg]
+    def broken(state: torch.Tensor, ids: object) -> tuple[list[float], dict]:  # type: ignore[type-arg]
         raise RuntimeError("router crashed")
 
-    def wrong(state: torch.Tensor) -> tuple[list[float], dict]:  # type: ignore[type-arg]
+    def wrong(state: torch.Tensor, ids: object) -> tuple[list[float], dict]:  # type: ignore[type-arg]
         return [1.0], {}
 
     others = [greedy(p, adapter_names=("g", "l1"), adapter_weights=(0.5, 0.5)) for p in PROMPTS[:2]]

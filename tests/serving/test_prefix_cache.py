@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
@@ -36,7 +37,10 @@ def test_a_shared_prefix_is_reused_and_decodes_as_without_the_cache(engines: tup
     out = [cached.generate([r])[0].token_ids for r in (first, second, first)]
     assert out == [plain.generate([r])[0].token_ids for r in (first, second, first)]
     assert cached.prefixes.hits == 2
-    assert cached.prefixes.reused_tokens == shared + len(ids[0]) - 1  # the repeat computes only its last token
+    # the second prompt replaced the first in its spare (they share the system prompt): the repeat reuses that
+    assert cached.prefixes.reused_tokens == 2 * shared
+    cached.generate([first])
+    assert cached.prefixes.reused_tokens == 2 * shared + len(ids[0]) - 1  # an exact repeat computes its last token
     assert plain.prefixes.hits == 0
 
 
@@ -62,26 +66,82 @@ def test_the_least_recently_used_prompt_is_replaced(tiny: LoadedModel) -> None:
     assert engine.prefixes.hits == 1
 
 
-def test_routing_passes_and_prompt_logprobs_compute_every_token(engines: tuple[Engine, Engine]) -> None:
-    cached, plain = engines
+def test_prompts_sharing_a_prefix_take_one_spare(engines: tuple[Engine, Engine]) -> None:
+    """Prompts differing after a shared system prompt replace each other, so another key keeps its spare."""
+    cached, plain = engines  # two spares
+    alone = GenerationRequest(prompt=SYSTEM + "Name a tree.", adapter_names=("g",), adapter_weights=(1.0,),
+                              sampling=SamplingParams(max_tokens=2, temperature=0))
+    cached.generate([alone])
+    for question in ("Name a colour.", "Name a fruit.", "Name a bird."):
+        request = ask(question)
+        assert cached.generate([request])[0].token_ids == plain.generate([request])[0].token_ids
+    assert len(cached.prefixes._entries) == 2
+    hits = cached.prefixes.hits
+    cached.generate([alone])  # not pushed out by the three mixtures: its whole prompt is still held
+    assert cached.prefixes.hits == hits + 1
+
+
+def test_prompt_logprobs_compute_every_token(engines: tuple[Engine, Engine]) -> None:
+    cached, _ = engines
     with_logprobs = ask("Name a colour.", prompt_logprobs=1)
     first = cached.generate([with_logprobs])[0]
     again = cached.generate([with_logprobs])[0]
     assert cached.prefixes.hits == 0 and again.prompt_logprobs == first.prompt_logprobs
-    states = []
 
-    def route(state):  # type: ignore[no-untyped-def]
+
+def routed(question: str, states: list[torch.Tensor], pooling: str = "last") -> GenerationRequest:
+    def route(state: torch.Tensor, ids: object) -> tuple[tuple[float, float], dict[str, object]]:
         states.append(state)
         return (0.5, 0.5), {}
 
-    routed = GenerationRequest(prompt=SYSTEM + "Name a fruit.", adapter_names=("g", "l1"), adapter_weights=(0.5, 0.5),
-                               prefill_weights=(1.0, 0.0), weight_fn=route, exact_prefill=True,
-                               sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    cached.generate([routed])
-    hits = cached.prefixes.hits
-    cached.generate([routed])  # its exact pass (routed weights) reuses the first one's; its routing pass never
-    assert cached.prefixes.hits == hits + 1
-    assert states[0].equal(states[1])  # the routing state is bitwise the same: the seeded draw stays put
+    return GenerationRequest(prompt=SYSTEM + question, adapter_names=("g", "l1"), adapter_weights=(0.5, 0.5),
+                             prefill_weights=(1.0, 0.0), weight_fn=route, exact_prefill=True, state_pooling=pooling,
+                             sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
+
+def test_a_reused_prefix_outlives_prompts_never_reused(tiny: LoadedModel) -> None:
+    """A burst of one-off prompts (FedDPA exact passes at per-prompt weights) replaces one another, not the
+    spare that later prompts keep reusing."""
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=2, prefix_cache_slots=2))
+    shared = GenerationRequest(prompt=SYSTEM + "Name a tree.", adapter_names=("g",), adapter_weights=(1.0,),
+                               sampling=SamplingParams(max_tokens=1, temperature=0))
+    engine.generate([shared])
+    engine.generate([shared])
+    assert engine.prefixes.hits == 1
+    for w in (0.1, 0.2, 0.3):
+        engine.generate([ask("Name a colour.", weights=(1 - w, w))])
+    engine.generate([shared])
+    assert engine.prefixes.hits == 2
+
+
+def test_routing_passes_share_the_prefix_of_the_global_adapter_alone(engines: tuple[Engine, Engine]) -> None:
+    """A FedDPA routing pass runs (global 1, local 0): it reuses a `global` request's prefix, and its
+    state and tokens are the full pass's up to rounding."""
+    cached, plain = engines
+    ids = cached.tokenizer(SYSTEM + "Name a fruit.", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    alone = GenerationRequest(prompt=SYSTEM + "Name a colour.", adapter_names=("g",), adapter_weights=(1.0,),
+                              sampling=SamplingParams(max_tokens=2, temperature=0))
+    cached.generate([alone])
+    seen: list[torch.Tensor] = []
+    reference: list[torch.Tensor] = []
+    out = cached.generate([routed("Name a fruit.", seen)])[0]
+    assert cached.prefixes.hits == 1 and 0 < cached.prefixes.reused_tokens < len(ids) - 1
+    assert out.token_ids == plain.generate([routed("Name a fruit.", reference)])[0].token_ids
+    torch.testing.assert_close(seen[0], reference[0], atol=1e-5, rtol=1e-5)
+    cached.generate([routed("Name a fruit.", seen)])  # both passes of the repeat reuse: routing and exact
+    assert cached.prefixes.hits == 3
+    torch.testing.assert_close(seen[1], reference[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_routing_pass_pooling_the_mean_computes_every_token(engines: tuple[Engine, Engine]) -> None:
+    cached, plain = engines
+    seen: list[torch.Tensor] = []
+    reference: list[torch.Tensor] = []
+    for _ in range(2):
+        cached.generate([routed("Name a fruit.", seen, "mean")])
+    plain.generate([routed("Name a fruit.", reference, "mean")])
+    assert cached.prefixes.hits == 1  # the repeat's exact pass only: the mean needs every position's state
+    torch.testing.assert_close(seen[1], reference[0], atol=1e-5, rtol=1e-5)
 
 
 def test_negative_slots_are_refused() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from adapters import inject
 from models import LoadedModel
@@ -16,6 +18,7 @@ from serving.cli import add_serve_arguments, settings_from_args
 from serving.engine import Engine
 from serving.request import GenerationRequest
 from serving.sampling import SamplingParams
+from serving.settings import ServeSettings
 from serving.targets import TargetResolver
 from tests.serving.helpers import write_adapter
 
@@ -128,3 +131,38 @@ def test_a_check_across_settings_exits_with_its_message_alone() -> None:
 def test_request_timeout_refuses_words() -> None:
     with pytest.raises(SystemExit):
         _serve_args("--request-timeout", "soon")
+
+
+def _run_on(tmp_path: Path, model: str) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"method": "feddpa-t", "model": model}))
+    return run
+
+
+def test_a_run_is_served_on_the_base_model_it_was_trained_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.json's model unless one is given; a different one given stops the command with one line."""
+    run = _run_on(tmp_path, "tiny")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser.add_subparsers())
+    assert settings_from_args(parser.parse_args(["serve", str(run)])).model == "tiny"
+    assert ServeSettings(run_dir=run).model == "tiny"
+    with pytest.raises(SystemExit, match=r"trained on the base model 'tiny', not 'smollm2'; leave out --model"):
+        settings_from_args(parser.parse_args(["serve", str(run), "--model", "smollm2"]))
+    monkeypatch.setenv("FEDMOSAIC_SERVE_MODEL", "smollm2")
+    with pytest.raises(SystemExit, match="trained on the base model 'tiny'"):
+        settings_from_args(parser.parse_args(["serve", str(run)]))
+    assert ServeSettings(run_dir=run, check_base=False).model == "smollm2"  # the operator's override
+
+
+def test_a_run_trained_on_a_model_folder_is_served_on_that_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    run = _run_on(tmp_path, str(folder))
+    assert ServeSettings(run_dir=run).model == str(folder)
+    assert ServeSettings(run_dir=run, model=f"{folder}/").model == f"{folder}/"  # the same folder, spelt otherwise
+    with pytest.raises(ValidationError, match="trained on the base model"):
+        ServeSettings(run_dir=run, model=str(tmp_path))
+    (run / "run.json").write_text("{not json")
+    with pytest.raises(ValidationError, match="cannot read"):
+        ServeSettings(run_dir=run)
