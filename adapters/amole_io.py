@@ -15,8 +15,6 @@ do, so each expert is also extractable as a plain PEFT adapter.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from adapters.amole_layer import (
 )
 from adapters.config import AdapterError, LoraConfig
 from adapters.inject import AdaptedModel
+from adapters.io import atomic_write
 
 CONFIG = "amole_config.json"
 WEIGHTS = "amole_model.safetensors"
@@ -41,13 +40,6 @@ ASSIGNMENTS = "assignments.json"
 PREFIX = "base_model.model."
 
 Assignments = Mapping[str, Mapping[str, tuple[int, ...] | list[int]]]
-
-
-def _atomic_write(folder: Path, name: str, write) -> None:  # noqa: ANN001
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
-    os.close(fd)
-    write(tmp)
-    os.replace(tmp, folder / name)
 
 
 def save_amole(
@@ -72,9 +64,9 @@ def save_amole(
     meta = {"lora": config.to_peft_dict(adapted.base_model_name), "num_experts": num_experts,
             "top_k": top_k, "shared_expert": shared, "router": check_router(router)}
     plain = {c: {p: sorted(int(j) for j in ids) for p, ids in a.items()} for c, a in assignments.items()}
-    _atomic_write(folder, WEIGHTS, lambda t: save_file(tensors, t, metadata={"format": "pt"}))
-    _atomic_write(folder, ASSIGNMENTS, lambda t: Path(t).write_text(json.dumps(plain, indent=1)))
-    _atomic_write(folder, CONFIG, lambda t: Path(t).write_text(json.dumps(meta, indent=2)))
+    atomic_write(folder, WEIGHTS, lambda t: save_file(tensors, t, metadata={"format": "pt"}))
+    atomic_write(folder, ASSIGNMENTS, lambda t: Path(t).write_text(json.dumps(plain, indent=1)))
+    atomic_write(folder, CONFIG, lambda t: Path(t).write_text(json.dumps(meta, indent=2)))
     return folder
 
 

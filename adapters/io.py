@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -47,7 +47,8 @@ def write_adapter_folder(
 ) -> Path:
     """Write a PEFT adapter folder from ``{"<path>.lora_A": A, "<path>.lora_B": B}`` tensors.
 
-    Files are written to a temporary name and renamed, so a crash never leaves a torn adapter.
+    Each file is written to a temporary name, fsync'ed and renamed (:func:`atomic_write`), so a crash never
+    leaves a torn adapter.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -57,15 +58,31 @@ def write_adapter_folder(
         if not torch.isfinite(value).all():
             raise AdapterError(f"refusing to save {key}: it contains NaN or inf")
         state[peft_key(path, which)] = value.detach().to("cpu").contiguous()
-    for name, payload in ((WEIGHTS_FILE, None), (CONFIG_FILE, config.to_peft_dict(base_model))):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
-        os.close(fd)
-        if payload is None:
-            save_file(state, tmp, metadata={"format": "pt"})
-        else:
-            Path(tmp).write_text(json.dumps(payload, indent=2))
-        os.replace(tmp, folder / name)
+    atomic_write(folder, WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write(folder, CONFIG_FILE, lambda tmp: Path(tmp).write_text(
+        json.dumps(config.to_peft_dict(base_model), indent=2)))
     return folder
+
+
+def atomic_write(folder: Path, name: str, write: Callable[[str], object]) -> None:
+    """Write ``folder / name`` through ``write(tmp_path)``: a temporary file beside it, fsync'ed, renamed
+    into place, and the folder fsync'ed, so a crash leaves the old file or the new one, never a torn one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, folder / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # a rename is durable once the directory entry is on disk (POSIX)
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def save_adapter(adapted: AdaptedModel, name: str, folder: str | Path) -> Path:

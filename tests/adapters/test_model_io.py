@@ -207,3 +207,26 @@ def test_generate_with_per_row_adapters_matches_single_rows(adapted: AdaptedMode
     beams = generate(adapted, tiny.model, tiny.tokenizer, prompts, names, [[1, 0], [0.5, 0.5]],
                      GenerationConfig(max_new_tokens=4, num_beams=2))
     assert len(beams) == 2
+
+
+def test_an_interrupted_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from adapters.io import atomic_write
+
+    atomic_write(tmp_path, "a.json", lambda tmp: Path(tmp).write_text('{"v": 1}'))
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+
+    def torn(tmp: str) -> None:
+        Path(tmp).write_text('{"v": 2')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(tmp_path, "a.json", torn)
+    assert json.loads((tmp_path / "a.json").read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+    atomic_write(tmp_path, "a.json", lambda tmp: Path(tmp).write_text('{"v": 3}'))
+    assert json.loads((tmp_path / "a.json").read_text()) == {"v": 3} and len(synced) == 2  # the file and its folder
