@@ -225,6 +225,30 @@ def test_exact_routing_refills_in_the_same_step_when_the_budget_allows(tiny: Loa
     assert handle.result().token_ids == direct.token_ids
 
 
+def test_a_burst_of_routed_prompts_gets_first_tokens_in_arrival_order(tiny: LoadedModel) -> None:
+    """A step whose budget holds one request's two passes runs both for the first prompt, not the routing
+    passes of two: the first request gets its first token after one step, the rest after later ones."""
+    same = "one two three four five six"  # equal lengths: every prompt needs the same budget
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512, prefix_cache_slots=0,
+                                                           max_decode_skips=8))
+    n = len(engine.tokenizer(same, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    engine.config = dataclasses.replace(engine.config, max_prefill_tokens=2 * n + 1)
+    handles = [engine.submit(GenerationRequest(
+        prompt=same, sampling=greedy(2), adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
+        prefill_weights=(1.0, 0.0), weight_fn=lambda state, ids: ([0.4, 0.6], {}), exact_prefill=True))
+        for _ in range(3)]
+    seqs = [next(s for s in engine._active + list(engine._waiting) if s.handle is h) for h in handles]
+    started: list[list[int]] = []
+    while any(not s.output for s in seqs):
+        engine.step()
+        started.append([len(s.output) for s in seqs])
+    first = [next(i for i, row in enumerate(started) if row[b]) for b in range(3)]
+    assert first == [0, 1, 2]  # all routing passes first would give no first token after the first step
+    while engine.step():
+        pass
+    assert all(h.result().finish_reason == "length" for h in handles)
+
+
 def test_routing_to_the_prefill_weights_skips_the_exact_pass(tiny: LoadedModel) -> None:
     """a = 0 (the prefill's own weights): the routing pass is exact already, so the prompt is prefilled once."""
     engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512))
