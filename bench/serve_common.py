@@ -1,4 +1,5 @@
-"""Shared by the serving benchmarks (bench/serve_*.py): a FedDPA run built in memory, prompts, timing.
+"""Shared by the serving benchmarks (bench/serve_*.py): a FedDPA run built in memory, prompts, timing, and
+a running server's engine figures read from its ``/metrics`` (:func:`step_totals`, :func:`step_figures`).
 
 :func:`build_run` writes a run directory like a FedDPA-T training run: ``global`` and one ``local``
 adapter per client (LoRA r=8 on q/v, random B so each adapter changes the outputs), and each client's
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +29,9 @@ from models import LoadedModel
 from models.settings import DTYPES
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
+
+if TYPE_CHECKING:
+    import httpx
 
 TOPICS = ["sorting words", "country capitals", "unit conversion", "arithmetic", "spelling", "antonyms",
           "dates", "colours", "animals", "planets", "rivers", "authors"]
@@ -205,3 +210,43 @@ def rss_mb() -> float:
         import resource
 
         return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+# --- a running server's engine figures (its /metrics), read before and after a load phase ---
+
+COUNTERS = {"fedmosaic_engine_prefill_tokens": "prefill_tokens_computed",
+            "fedmosaic_prefix_cache_reused_tokens": "prefix_tokens_reused",
+            "fedmosaic_prefix_cache_hits": "prefix_hits"}
+
+
+async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
+    """Per step kind (prefill, decode, mixed): the server's (step count, seconds) so far, from /metrics;
+    and under the names of ``COUNTERS`` its prompt-token counters as (value, 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+        if family.name in COUNTERS:
+            totals[COUNTERS[family.name]] = [sum(x.value for x in family.samples if x.name.endswith("_total")), 0.0]
+        if family.name != "fedmosaic_engine_step_seconds":
+            continue
+        for sample in family.samples:
+            slot = {"fedmosaic_engine_step_seconds_count": 0, "fedmosaic_engine_step_seconds_sum": 1}.get(sample.name)
+            if slot is not None:
+                totals.setdefault(sample.labels["kind"], [0.0, 0.0])[slot] = sample.value
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                 wall: float) -> dict[str, object]:
+    """Engine steps of the load phase per kind (how many, their mean, the share of the wall time) and the
+    prompt tokens computed and reused meanwhile."""
+    out: dict[str, object] = {}
+    for kind, (count, seconds) in sorted(after.items()):
+        n, sec = count - before.get(kind, (0.0, 0.0))[0], seconds - before.get(kind, (0.0, 0.0))[1]
+        if kind in COUNTERS.values():
+            out[kind] = int(n)
+        elif n:
+            out[kind] = {"steps": int(n), "mean_ms": round(1e3 * sec / n, 1),
+                         "share_of_wall": round(sec / wall, 3) if wall > 0 else None}
+    return out

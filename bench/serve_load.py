@@ -56,7 +56,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from serve_common import build_run, median, parser, percentile, print_json, questions, random_adapter, ratio
+from serve_common import (
+    build_run,
+    median,
+    parser,
+    percentile,
+    print_json,
+    questions,
+    random_adapter,
+    ratio,
+    step_figures,
+    step_totals,
+)
 
 from adapters import LoraConfig, inject
 from models import load_base_model
@@ -238,44 +249,6 @@ async def references(client: httpx.AsyncClient, t0: float, probe: str, folders: 
         raise RuntimeError(f"probe answers cannot tell the versions apart: A {ref['A']!r} then {again!r}, "
                            f"candidates {candidates}")
     return ref
-
-
-COUNTERS = {"fedmosaic_engine_prefill_tokens": "prefill_tokens_computed",
-            "fedmosaic_prefix_cache_reused_tokens": "prefix_tokens_reused",
-            "fedmosaic_prefix_cache_hits": "prefix_hits"}
-
-
-async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
-    """Per step kind (prefill, decode, mixed): the server's (step count, seconds) so far, from /metrics;
-    and under the names of ``COUNTERS`` its prompt-token counters as (value, 0)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families((await client.get("/metrics")).text):
-        if family.name in COUNTERS:
-            totals[COUNTERS[family.name]] = [sum(x.value for x in family.samples if x.name.endswith("_total")), 0.0]
-        if family.name != "fedmosaic_engine_step_seconds":
-            continue
-        for sample in family.samples:
-            slot = {"fedmosaic_engine_step_seconds_count": 0, "fedmosaic_engine_step_seconds_sum": 1}.get(sample.name)
-            if slot is not None:
-                totals.setdefault(sample.labels["kind"], [0.0, 0.0])[slot] = sample.value
-    return {k: (v[0], v[1]) for k, v in totals.items()}
-
-
-def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
-                 wall: float) -> dict[str, object]:
-    """Engine steps of the load phase per kind (how many, their mean, the share of the wall time) and the
-    prompt tokens computed and reused meanwhile."""
-    out: dict[str, object] = {}
-    for kind, (count, seconds) in sorted(after.items()):
-        n, sec = count - before.get(kind, (0.0, 0.0))[0], seconds - before.get(kind, (0.0, 0.0))[1]
-        if kind in COUNTERS.values():
-            out[kind] = int(n)
-        elif n:
-            out[kind] = {"steps": int(n), "mean_ms": round(1e3 * sec / n, 1),
-                         "share_of_wall": round(sec / wall, 3) if wall > 0 else None}
-    return out
 
 
 async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: str, folders: dict[str, Path]) -> dict:
