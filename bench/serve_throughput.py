@@ -52,7 +52,8 @@ class Fresh:
     prompt); ``engine_base`` and ``hf_generate_batch`` share one set per round (the same 8 prompts)."""
 
     def __init__(self, tokenizer: object) -> None:
-        self.tokenizer, self.offset, self.rounds = tokenizer, 0, {}  # type: ignore[var-annotated]
+        self.tokenizer, self.offset = tokenizer, 0
+        self.rounds: dict[int, list[str]] = {}
 
     def batch(self, n: int = CLIENTS) -> list[str]:
         """``n`` prompts not handed out before."""
@@ -67,7 +68,7 @@ class Fresh:
         """Round ``r``'s prompts of the cases that compare on the same prompts."""
         if r not in self.rounds:
             self.rounds[r] = self.batch()
-        return self.rounds[r]  # type: ignore[no-any-return]
+        return self.rounds[r]
 
 
 def run_jobs(stack: ServingStack, jobs: list[Job]) -> float:

@@ -4,7 +4,7 @@ Every running or prefilling request owns one slot; its keys and values for posit
 at ``k[layer][slot, :, :n]`` (vLLM's idea of a cache managed apart from the model, without its
 paging: a slot is a contiguous row, so a decode step never copies the cache, it only writes each
 row's new position). The last slot is scratch: padded batch rows and padding tokens write there, so
-a padded batch (a CUDA graph bucket, a right-padded prefill chunk) never touches a real sequence.
+a padded batch (a CUDA graph bucket, the HF runner's left-padded prefill) never touches a real sequence.
 Spare slots after it hold recent prompts for :mod:`serving.prefix_cache`; no row ever reads them.
 A released slot's values are zeroed where its owner wrote, so every stale value a batch reads at
 weight 0 is finite (the attention then needs no masked copy of the cache).

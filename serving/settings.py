@@ -158,5 +158,6 @@ def _same_model(given: str, trained: str, run_dir: Path) -> bool:
     """True when ``given`` names the model ``trained`` names (the same name, or the same folder)."""
     if given == trained:
         return True
-    paths = [Path(given), Path(trained) if Path(trained).is_absolute() else run_dir / trained, Path(trained)]
-    return paths[0].exists() and any(p.exists() and p.resolve() == paths[0].resolve() for p in paths[1:])
+    folder = Path(given)  # run_dir / trained is trained itself when trained is absolute
+    return folder.exists() and any(p.exists() and p.resolve() == folder.resolve()
+                                   for p in (Path(trained), run_dir / trained))

@@ -281,8 +281,10 @@ class LlamaRunner:
             logits, states = self.head(x.index_select(0, ends - 1), residual.index_select(0, ends - 1))
             if any(r.all_logits for r in rows):
                 every = []
-                for b, r in enumerate(rows):
-                    real = torch.arange(int(ends[b]) - lens[b], int(ends[b]), device=dev)
+                first = 0  # host offsets: no device sync per row
+                for r in rows:
+                    real = torch.arange(first, first + len(r.tokens), device=dev)
+                    first += len(r.tokens)
                     every.append(self.head(x.index_select(0, real), residual.index_select(0, real))[0]
                                  if r.all_logits else None)
             want = any(r.want_state for r in rows)
