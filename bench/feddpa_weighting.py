@@ -4,8 +4,9 @@ Embeds, with SmolLM2 (and a run's global adapter with ``--run``, else the bare m
 training prompts per client (its index), ``--test`` test prompts per task and the public background
 prompts (:mod:`routing.background`), all in the ``alpaca_short`` template. Then, for every client and
 each rule, the local weight ``a`` of every test prompt through :class:`routing.FedDPARouter`:
-``paper`` (``lambda * mean cosine`` of S=5 random instances), ``calibrated`` (centred score mapped by
-the client's calibration, built here exactly as training builds it) and ``fixed`` (lambda). Reports per
+``paper`` (``lambda * mean cosine`` of S=5 random instances), ``calibrated`` (the Mahalanobis score mapped by
+the client's calibration, built here exactly as training builds it), ``centroid`` (the calibrated rule
+with the centred-cosine score of format-1 calibrations) and ``fixed`` (lambda). Reports per
 rule the mean and median ``a`` on the client's own task and on the other tasks, the AUC of own vs
 other (1 = always apart) and the routing time per request (the decision alone; the prefill it follows
 is timed too, for scale). Prints one JSON object.
@@ -73,15 +74,22 @@ def measure(data: dict[str, np.ndarray]) -> dict[str, object]:
     """Per-rule weight statistics (own vs other tasks) and routing time per request."""
     clients = sorted(k.split("/", 1)[1] for k in data if k.startswith("train/"))
     tests = {k.split("/", 1)[1]: data[k] for k in data if k.startswith("test/")}
-    rules = {"paper": FedDPARouter(lambda_=LAMBDA, S=5, seed=0),
-             "calibrated": FedDPARouter(lambda_=LAMBDA, weighting="calibrated")}
+    calibrated = FedDPARouter(lambda_=LAMBDA, weighting="calibrated")
+    rules = {"paper": (FedDPARouter(lambda_=LAMBDA, S=5, seed=0), "mahalanobis"),
+             "calibrated": (calibrated, "mahalanobis"), "centroid": (calibrated, "centroid")}
     result: dict[str, dict[str, list[float]]] = {r: {"own": [], "other": [], "auc": []} for r in rules}
     timing: dict[str, list[float]] = {r: [] for r in rules}
+    attach: list[float] = []
     per_client: dict[str, dict[str, dict[str, float]]] = {}
     for c in clients:
         own_task = str(data[f"task/{c}"][0])
-        index = EmbeddingIndex(data[f"train/{c}"], calibration=calibrate(data[f"train/{c}"], data["bg"]))
-        for name, router in rules.items():
+        cals = {s: calibrate(data[f"train/{c}"], data["bg"], statistic=s) for s in ("mahalanobis", "centroid")}
+        indexes = {"centroid": EmbeddingIndex(data[f"train/{c}"], calibration=cals["centroid"])}
+        began = time.perf_counter()  # loading a client: faiss index and, now, the Gaussian's fit
+        indexes["mahalanobis"] = EmbeddingIndex(data[f"train/{c}"], calibration=cals["mahalanobis"])
+        attach.append(time.perf_counter() - began)
+        for name, (router, statistic) in rules.items():
+            index = indexes[statistic]
             began = time.perf_counter()
             a = {t: np.array([router.decide(q, index, client=c).info["a"] for q in qs]) for t, qs in tests.items()}
             timing[name].append((time.perf_counter() - began) / sum(len(q) for q in tests.values()))
@@ -97,9 +105,11 @@ def measure(data: dict[str, np.ndarray]) -> dict[str, object]:
         summary[name] = {"own_mean": float(own.mean()), "own_median": float(np.median(own)),
                          "other_mean": float(other.mean()), "other_median": float(np.median(other)),
                          "other_p90": float(np.quantile(other, 0.9)), "own_p10": float(np.quantile(own, 0.1)),
+                         "other_nonzero": float((other > 0).mean()),
                          "auc_mean": float(np.mean(r["auc"])), "auc_min": float(np.min(r["auc"])),
                          "route_us_per_request": 1e6 * float(np.median(timing[name]))}
     summary["fixed"] = {"own_mean": LAMBDA, "other_mean": LAMBDA, "auc_mean": 0.5, "route_us_per_request": 0.0}
+    summary["index_attach_ms_median"] = 1e3 * float(np.median(attach))
     summary["per_client"] = per_client
     if "prefill_s" in data:
         summary["prompt_forward_ms"] = 1e3 * float(data["prefill_s"][0])

@@ -4,7 +4,8 @@ FedDPA (paper 000 section 4.3) mixes a client's global and local adapters as ``(
 ``a = lambda * mean cosine`` between the prompt's representation and S of the client's local
 instances, clipped to [0, 1]; the server reports ``a``, lambda, S, the similarity and the sampling
 mode in ``fedmosaic.info`` (or ``source: fixed`` with the run's alpha). Calibrated weighting (issue 19)
-reports the prompt's centred score with the client's own and background levels instead. These functions turn the
+reports the prompt's score (by default minus its squared Mahalanobis distance to the client's instances)
+with the client's own and background levels instead. These functions turn the
 ``fedmosaic`` field and ``/v1/models`` entries into Markdown and table rows; they never compute a
 weight themselves.
 """
@@ -53,7 +54,7 @@ def route_markdown(extension: Mapping[str, Any] | None) -> str:
             alpha = f" α = {_fmt(info['alpha'])}" if "alpha" in info else ""
             lines.append(f"obtained: **fixed** — the run's inference weight{alpha} for every prompt")
         elif info.get("weighting") == "calibrated" and "score" in info:
-            lines.append(f"obtained: **instance-wise, calibrated** — centred {info.get('statistic', '?')} score "
+            lines.append(f"obtained: **instance-wise, calibrated** — {info.get('statistic', '?')} score "
                          f"**{_fmt(info['score'])}** of this prompt against the client's local instances, between "
                          f"the background level {_fmt(info.get('background'))} (a = 0) and the client's own level "
                          f"{_fmt(info.get('own'))} (a = λ), λ = {_fmt(info.get('lambda'))}, clipped to [0, λ]")

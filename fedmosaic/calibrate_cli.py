@@ -28,7 +28,7 @@ from adapters.rundir import RunDir
 from models import load_base_model, settings
 from routing.background import background_id
 from routing.cache import EmbeddingIndex, index_pooling
-from routing.calibration import CALIBRATION_FILE, calibrate
+from routing.calibration import CALIBRATION_FILE, STATISTICS, calibrate
 from routing.embedding import POOLINGS, Pooling, embed_prompts
 from training.data import load_run_dataset
 from training.personalize import background_prompts, instance_prompts, write_index
@@ -39,8 +39,9 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
     p = sub.add_parser("calibrate", help="(re)build the calibrated FedDPA weighting of a trained run")
     p.add_argument("run_dir", help="a run directory whose clients have embeddings.npy")
     p.add_argument("--model", default=None, help="base model (default: run.json's)")
-    p.add_argument("--statistic", choices=["centroid", "knn"], default="centroid",
-                   help="centroid: mean centred cosine over every instance (default); knn: over the k nearest")
+    p.add_argument("--statistic", choices=list(STATISTICS), default="mahalanobis",
+                   help="mahalanobis: distance to the instances' shrunk Gaussian (default); centroid: mean centred "
+                        "cosine over every instance; knn: over the k nearest")
     p.add_argument("--k", type=int, default=5, help="neighbours averaged by --statistic knn")
     p.add_argument("--background-quantile", type=float, default=1.0,
                    help="quantile of the background prompts' scores that maps to a = 0 (1: the highest)")
@@ -55,7 +56,7 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str = "centroid", k: int = 5,
+def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str = "mahalanobis", k: int = 5,
                   background_quantile: float = 1.0, dtype: str | None = None, device: str | None = None,
                   embedding: str | None = None, rebuild: bool = False) -> dict[str, Any]:
     """Write ``embeddings.calibration.json`` for every client of ``run_dir`` that has an embedding index.
@@ -63,7 +64,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
     Args:
         run_dir: the run directory.
         model: base model (default: ``run.json``'s).
-        statistic: ``centroid`` or ``knn`` (``routing.calibration``).
+        statistic: ``mahalanobis``, ``centroid`` or ``knn`` (``routing.calibration``).
         k: neighbours of ``knn``.
         background_quantile: the background scores' quantile that maps to ``a = 0``.
         dtype: compute dtype.

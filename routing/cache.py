@@ -27,7 +27,7 @@ import numpy as np
 from adapters import AdapterError
 from adapters.rundir import check_client_id
 from routing.base import RoutingError
-from routing.calibration import CALIBRATION_FILE, Calibration, fingerprint
+from routing.calibration import CALIBRATION_FILE, Calibration, Scorer, fingerprint
 from routing.embedding import Pooling, check_pooling
 
 STEM = "embeddings"
@@ -104,8 +104,9 @@ class EmbeddingIndex:
     Attributes:
         raw: (N, H) the vectors as given.
         unit: (N, H) L2-normalised copies (what every cosine uses).
-        calibration: the client's calibration of the centred score (``routing.calibration``), if any.
-        centred: (N, H) unit vectors of ``raw - calibration.center`` (None without a calibration).
+        calibration: the client's calibration of its score (``routing.calibration``), if any.
+        centred: (N, H) unit vectors of ``raw - calibration.center`` (None without a calibration or
+            with a ``mahalanobis`` one, which scores through its Gaussian instead).
         pooling: how the vectors were pooled from the final-layer states: ``last`` token or ``mean``.
     """
 
@@ -121,6 +122,7 @@ class EmbeddingIndex:
         self.pooling: Pooling = check_pooling(pooling)
         self.calibration: Calibration | None = None
         self.centred: np.ndarray | None = None
+        self._scorer: Scorer | None = None
         if calibration is not None:
             self.set_calibration(calibration)
         self._faiss: Any = None
@@ -144,7 +146,8 @@ class EmbeddingIndex:
         return self._faiss is not None
 
     def set_calibration(self, calibration: Calibration) -> None:
-        """Attach ``calibration`` (and precompute the centred vectors once, not per request).
+        """Attach ``calibration``, doing its per-index work once, not per request (the Gaussian's fit, or
+        the centred vectors of the cosine statistics).
 
         Raises:
             RoutingError: the calibration was computed from other vectors (a stale file).
@@ -152,8 +155,20 @@ class EmbeddingIndex:
         if calibration.fingerprint != fingerprint(self.raw) or calibration.center.shape != (self.dim,):
             raise RoutingError("the FedDPA calibration does not match this index's vectors (built from another "
                                "index); rebuild it with `fedmosaic calibrate RUN_DIR`")
-        self.centred = np.ascontiguousarray(calibration.centred(self.raw))
+        self._scorer = calibration.scorer(self.raw)
+        self.centred = None if calibration.statistic == "mahalanobis" else \
+            np.ascontiguousarray(calibration.centred(self.raw))
         self.calibration = calibration
+
+    def calibrated_score(self, query: np.ndarray) -> float:
+        """The calibration's score of one raw (H,) state against this index (higher: more typical).
+
+        Raises:
+            RoutingError: no calibration attached.
+        """
+        if self._scorer is None:
+            raise RoutingError("this index has no FedDPA calibration")
+        return float(self._scorer(np.asarray(query, dtype=np.float32)[None, :])[0])
 
     def _query(self, query: np.ndarray) -> np.ndarray:
         q = np.atleast_2d(np.asarray(query, dtype=np.float32))

@@ -8,16 +8,23 @@ global adapter on) and fixes the estimator:
 
 1. **Centre** every state on ``mu``, the mean state of public background prompts
    (:mod:`routing.background`) under the same global adapter, which removes the shared direction.
-2. **Score** a prompt by its mean centred cosine to the client's instances. ``centroid`` (default)
-   averages over *all* N instances, which equals one dot product with the mean of the centred unit
-   vectors (the paper's mean with S = N: no sampling noise, O(H) per request); ``knn`` averages the
-   ``k`` largest.
-3. **Map** the score with the client's own calibration, computed when the index is built: ``o`` is the
-   lower quartile of the client's instances' scores against the others (leave-one-out), ``b`` the
-   highest score of a background prompt. ``a = lambda * clip((s - b) / (o - b), 0, 1)``: a prompt
-   typical of the client's data gets ``lambda``, one no closer than any generic prompt gets 0. (On
-   FedDPA dataset 1 with SmolLM2 these defaults gave the sharpest split of the quantiles tried:
-   README, "Instance-wise weighting".)
+2. **Score** a prompt against the client's instances. ``mahalanobis`` (default, format 2) is minus
+   the squared Mahalanobis distance to a shrunk Gaussian fitted to the instances
+   (:mod:`routing.gaussian`): it scores the prompt's whole offset from the client's data, where a
+   cosine sees only the direction of the client's mean, so another task lying along that direction is
+   no longer taken for the client's own (on FedDPA dataset 1 the text-formatting client gave 95 % of
+   other-task prompts a non-zero weight by the centroid score, none by this one). ``centroid`` is the
+   mean centred cosine over *all* N instances (one dot product with the mean of the centred unit
+   vectors); ``knn`` averages the ``k`` largest. Both centre on ``mu`` first; the Gaussian has its own mean.
+3. **Map** the score with the client's own calibration, computed when the index is built from the
+   client's instances' held-out scores (5-fold for the Gaussian, whose fit would otherwise have seen
+   them; leave-one-out for the cosines) and ``b``, the highest score of a background prompt. The
+   Gaussian's map is a conformal p-value (Bates et al., Annals of Statistics 2023): ``p`` is the share
+   of held-out own scores at most ``s``, and ``a = lambda * min(1, p / q)`` with ``q = 0.25``, so a
+   prompt at least as typical as the client's lower quartile gets ``lambda`` and one less typical than
+   every own instance gets 0; any prompt no closer than the closest generic prompt (``s <= b``) gets 0.
+   The cosines' map is a ramp between ``o``, the held-out scores' lower quartile, and ``b``:
+   ``a = lambda * clip((s - b) / (o - b), 0, 1)`` (README, "Instance-wise weighting").
 
 Only the client's own instances and public prompts enter a calibration, so it keeps the isolation of
 the index it sits beside (``embeddings.calibration.json``); a fingerprint of the instance vectors
@@ -26,9 +33,11 @@ ties it to that index.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,10 +45,13 @@ from typing import Any, Literal
 import numpy as np
 
 from routing.base import RoutingError
+from routing.gaussian import Gaussian, held_out_sq_distances, ledoit_wolf_shrinkage
 
 CALIBRATION_FILE = "embeddings.calibration.json"
-FORMAT = 1
-Statistic = Literal["centroid", "knn"]
+FORMAT = 2  # format 1 (centroid / knn only, no shrinkage) is still read
+Statistic = Literal["mahalanobis", "centroid", "knn"]
+STATISTICS: tuple[str, ...] = ("mahalanobis", "centroid", "knn")
+Scorer = Callable[[np.ndarray], np.ndarray]  # (Q, H) raw states -> (Q,) scores, higher = more typical
 _CHUNK = 1024  # rows of the leave-one-out similarity matrix held at once
 
 
@@ -59,22 +71,32 @@ class Calibration:
     """One client's calibration of the centred similarity score.
 
     Attributes:
-        center: (H,) background mean subtracted from every state.
-        own: reference score of the client's own prompts (``own_quantile`` of its leave-one-out scores).
+        center: (H,) background mean subtracted from every state by the cosine statistics; the
+            Gaussian's mean for ``mahalanobis`` (reported: a server refits it from the index).
+        own: reference score of the client's own prompts (``own_quantile`` of its held-out scores).
         background: reference score of unrelated prompts (``background_quantile`` of the background scores).
-        statistic: ``centroid`` (mean over every instance) or ``knn`` (mean of the ``k`` nearest).
+        statistic: ``mahalanobis`` (minus the squared distance to the instances' Gaussian), ``centroid``
+            (mean centred cosine over every instance) or ``knn`` (mean of the ``k`` nearest).
         k: neighbours averaged by ``knn``.
         fingerprint: :func:`fingerprint` of the instance vectors this was computed from.
         summary: quantiles of the own and background scores and the set sizes (reported, not used).
+        shrinkage: the Gaussian's covariance shrinkage (``mahalanobis`` only; fixed here so that a
+            refit from the same vectors is the fit the references were computed with).
+        own_scores: the held-out own scores, ascending, of the conformal map (``mahalanobis``; empty:
+            the ramp between ``background`` and ``own``).
+        own_quantile: the share ``q`` of own scores below the level that gets the full ``lambda``.
     """
 
     center: np.ndarray
     own: float
     background: float
-    statistic: Statistic = "centroid"
+    statistic: Statistic = "mahalanobis"
     k: int = 5
     fingerprint: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
+    shrinkage: float = 0.0
+    own_scores: tuple[float, ...] = ()
+    own_quantile: float = 0.25
 
     def __post_init__(self) -> None:
         center = np.asarray(self.center, dtype=np.float32)
@@ -82,38 +104,69 @@ class Calibration:
             raise RoutingError(f"calibration center must be a finite (H,) vector, got shape {center.shape}")
         if not (math.isfinite(self.own) and math.isfinite(self.background)):
             raise RoutingError("calibration references must be finite")
-        if self.statistic not in ("centroid", "knn") or self.k < 1:
-            raise RoutingError(f"calibration statistic must be 'centroid' or 'knn' with k >= 1, got "
+        if self.statistic not in STATISTICS or self.k < 1:
+            raise RoutingError(f"calibration statistic must be one of {', '.join(STATISTICS)} with k >= 1, got "
                                f"{self.statistic!r}, k={self.k}")
+        if not (math.isfinite(self.shrinkage) and 0.0 <= self.shrinkage <= 1.0):
+            raise RoutingError(f"calibration shrinkage must be in [0, 1], got {self.shrinkage}")
+        if not (0.0 <= self.own_quantile <= 1.0) or not all(math.isfinite(v) for v in self.own_scores):
+            raise RoutingError("calibration own scores must be finite and own_quantile in [0, 1]")
         object.__setattr__(self, "center", center)
+        object.__setattr__(self, "own_scores", tuple(sorted(float(v) for v in self.own_scores)))
 
     def centred(self, vectors: np.ndarray) -> np.ndarray:
         """Unit vectors of ``vectors - center`` ((N, H) or (H,))."""
         return _unit(np.asarray(vectors, dtype=np.float32) - self.center)
 
-    def weight(self, score: float, lambda_: float) -> float:
-        """``lambda * clip((score - background) / (own - background), 0, 1)``.
+    def scorer(self, instances: np.ndarray) -> Scorer:
+        """The per-request score against ``instances`` (N, H), with its per-index work done once here.
 
-        When the client's own prompts score no higher than the background (nothing to separate), any
-        score above the background gets the full ``lambda``.
+        ``mahalanobis`` fits the Gaussian (one (H, H) eigendecomposition); the cosine statistics
+        centre and normalise the instances. The returned function maps (Q, H) raw states to (Q,).
         """
+        if self.statistic == "mahalanobis":
+            gaussian = Gaussian.fit(instances, self.shrinkage)
+            return lambda queries: -gaussian.sq_distance(np.atleast_2d(queries))
+        unit_x = np.ascontiguousarray(self.centred(instances))
+        return lambda queries: scores(self.centred(np.atleast_2d(queries)), unit_x, self.statistic, self.k)
+
+    def weight(self, score: float, lambda_: float) -> float:
+        """The local weight ``a`` of a prompt with this ``score`` (module docstring, step 3).
+
+        Conformal map (``own_scores`` set): 0 when ``score <= background``, else ``lambda * min(1, p /
+        own_quantile)`` with ``p`` the share of own scores ``<= score``. Ramp: ``lambda * clip((score -
+        background) / (own - background), 0, 1)``; when the client's own prompts score no higher than
+        the background (nothing to separate), any score above the background gets the full ``lambda``.
+        """
+        if self.own_scores:
+            if score <= self.background:
+                return 0.0
+            n = len(self.own_scores)
+            p = bisect.bisect_right(self.own_scores, score) / n
+            return float(lambda_ * min(1.0, p / max(self.own_quantile, 1.0 / n)))
         span = max(self.own - self.background, 1e-6)
         return float(lambda_ * min(max((score - self.background) / span, 0.0), 1.0))
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form (the ``embeddings.calibration.json`` file)."""
         return {"format": FORMAT, "statistic": self.statistic, "k": self.k, "own": self.own,
-                "background": self.background, "fingerprint": self.fingerprint, "summary": self.summary,
+                "background": self.background, "shrinkage": self.shrinkage, "fingerprint": self.fingerprint,
+                "own_quantile": self.own_quantile, "own_scores": list(self.own_scores), "summary": self.summary,
                 "center": [float(x) for x in self.center]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Calibration:
-        """Inverse of :meth:`to_json`; raises RoutingError on another format or missing fields."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise RoutingError(f"not a format-{FORMAT} FedDPA calibration")
+        """Inverse of :meth:`to_json` (format 1 files too); raises RoutingError on another format or missing fields."""
+        if not isinstance(data, dict) or data.get("format") not in (1, FORMAT):
+            raise RoutingError(f"not a format-1 or format-{FORMAT} FedDPA calibration")
+        if data["format"] == 1 and data.get("statistic") not in ("centroid", "knn"):
+            raise RoutingError("a format-1 FedDPA calibration has statistic centroid or knn, got "
+                               f"{data.get('statistic')!r}")
         try:
             return cls(np.asarray(data["center"], dtype=np.float32), float(data["own"]), float(data["background"]),
-                       data["statistic"], int(data["k"]), str(data["fingerprint"]), dict(data.get("summary", {})))
+                       data["statistic"], int(data["k"]), str(data["fingerprint"]), dict(data.get("summary", {})),
+                       float(data.get("shrinkage", 0.0)), tuple(float(v) for v in data.get("own_scores", ())),
+                       float(data.get("own_quantile", 0.25)))
         except (KeyError, TypeError, ValueError) as exc:
             raise RoutingError(f"malformed FedDPA calibration: {exc}") from exc
 
@@ -163,21 +216,23 @@ def scores(unit_queries: np.ndarray, unit_instances: np.ndarray, statistic: Stat
     return out
 
 
-def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statistic = "centroid", k: int = 5,
-              background_quantile: float = 1.0, background_id: str = "", own_quantile: float = 0.25) -> Calibration:
+def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statistic = "mahalanobis", k: int = 5,
+              background_quantile: float = 1.0, background_id: str = "", own_quantile: float = 0.25,
+              shrinkage: float | None = None) -> Calibration:
     """Calibrate one client from its instance states and the background prompts' states.
 
     Args:
         instances: (N, H) the client's local-instance states (its index), N >= 2.
         background: (M, H) public background prompts' states under the same global adapter, M >= 2.
-        statistic: ``centroid`` or ``knn``.
+        statistic: ``mahalanobis`` (default), ``centroid`` or ``knn``.
         k: neighbours for ``knn``.
         background_quantile: which quantile of the background scores maps to ``a = 0`` (1: the highest).
         background_id: name of the background set (stored in the summary).
-        own_quantile: which quantile of the leave-one-out own scores maps to ``a = lambda``.
+        own_quantile: which quantile of the held-out own scores maps to ``a = lambda``.
+        shrinkage: the Gaussian's covariance shrinkage (None: the Ledoit-Wolf estimate of the instances).
 
     Raises:
-        RoutingError: too few vectors, mismatched widths or a quantile outside [0, 1].
+        RoutingError: too few vectors, mismatched widths, a quantile or shrinkage outside [0, 1].
     """
     instances, background = np.asarray(instances, np.float32), np.asarray(background, np.float32)
     if instances.ndim != 2 or background.ndim != 2 or instances.shape[1] != background.shape[1]:
@@ -187,18 +242,34 @@ def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statisti
         raise RoutingError("calibration needs at least 2 instances and 2 background prompts")
     if not (0.0 <= background_quantile <= 1.0 and 0.0 <= own_quantile <= 1.0):
         raise RoutingError(f"quantiles must be in [0, 1], got {background_quantile} and {own_quantile}")
-    center = background.mean(axis=0)
-    unit_x, unit_b = _unit(instances - center), _unit(background - center)
-    own = scores(unit_x, unit_x, statistic, k, exclude_self=True)
-    bg = scores(unit_b, unit_x, statistic, k)
+    if statistic not in STATISTICS:
+        raise RoutingError(f"calibration statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    if shrinkage is not None and not 0.0 <= shrinkage <= 1.0:
+        raise RoutingError(f"shrinkage must be in [0, 1], got {shrinkage}")
+    g = 0.0
+    if statistic == "mahalanobis":
+        g = ledoit_wolf_shrinkage(instances) if shrinkage is None else float(shrinkage)
+        gaussian = Gaussian.fit(instances, g)
+        g = gaussian.shrinkage  # the fit floors it above 0; the stored value must refit identically
+        center = gaussian.mean
+        own = -held_out_sq_distances(instances, g)
+        bg = -gaussian.sq_distance(background)
+    else:
+        center = background.mean(axis=0)
+        unit_x, unit_b = _unit(instances - center), _unit(background - center)
+        own = scores(unit_x, unit_x, statistic, k, exclude_self=True)
+        bg = scores(unit_b, unit_x, statistic, k)
     qs = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
     summary = {"n_instances": len(instances), "n_background": len(background), "background_id": background_id,
                "background_quantile": background_quantile, "own_quantile": own_quantile,
                "own_quantiles": {str(q): float(np.quantile(own, q)) for q in qs},
                "background_quantiles": {str(q): float(np.quantile(bg, q)) for q in qs}}
     o, b = float(np.quantile(own, own_quantile)), float(np.quantile(bg, background_quantile))
+    if statistic == "mahalanobis":  # conformal map: overlap only means fewer own prompts clear the guard
+        summary["own_above_background"] = float((own > b).mean())
+        return Calibration(center, o, b, statistic, k, fingerprint(instances), summary, g,
+                           tuple(float(v) for v in own), own_quantile)
     if o <= b:  # the extremes overlap: ramp between the medians instead of a step
         o, b = float(np.median(own)), float(np.median(bg))
         summary["note"] = "own and background scores overlap at the chosen quantiles; medians used"
-    return Calibration(center, o, b, statistic, k,
-                       fingerprint(instances), summary)
+    return Calibration(center, o, b, statistic, k, fingerprint(instances), summary, g)

@@ -10,7 +10,8 @@ The instances come from the client's cached :class:`~routing.cache.EmbeddingInde
 of them afresh for each request (the paper's estimator), ``knn`` takes the S nearest (deterministic).
 
 ``weighting="paper"`` is that rule. ``weighting="calibrated"`` (:mod:`routing.calibration`) scores the
-prompt by its centred similarity to the client's instances and maps it with the client's stored
+prompt against the client's instances (by default minus its squared Mahalanobis distance to their
+shrunk Gaussian; the centred cosine in format-1 calibrations) and maps it with the client's stored
 calibration, so a prompt typical of the client's data gets ``lambda`` and an unrelated one 0; S and
 the sampling mode do not apply to it. A client without a calibration is weighted by the paper's rule
 (the decision's ``info`` says so).
@@ -27,11 +28,11 @@ coincide, and the paper states no scaling) or ``pearson`` (the cosine of the mea
 ``embedding`` is its Table 10 ablation, the pooling of the states (``routing.embedding``: ``last`` token
 or ``mean`` over the prompt's tokens); the client's index must hold vectors pooled the same way.
 
-The calibrated weighting is defined for the cosine and the paper's assignment (its references are
-cosine scores of the client's own and of background prompts, mapped so that the client's own task gets
-``lambda`` on its local adapter): combined with another similarity or the reference variant it is
-refused (:func:`resolve_weighting`), never silently changed. It composes with either pooling, since
-its calibration is computed from the index's own vectors.
+The calibrated weighting replaces the paper's cosine by its own score and is defined for the paper's
+assignment (its references are scores of the client's own and of background prompts, mapped so that
+the client's own task gets ``lambda`` on its local adapter): combined with another similarity or the
+reference variant it is refused (:func:`resolve_weighting`), never silently changed. It composes with
+either pooling, since its calibration is computed from the index's own vectors.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import torch
 
 from routing.base import GLOBAL, RoutingDecision, RoutingError, local_name
 from routing.cache import EmbeddingIndex
-from routing.calibration import scores
 from routing.embedding import Pooling, check_pooling
 
 Mode = Literal["random", "knn"]
@@ -122,8 +122,8 @@ class FedDPARouter:
         clip: clip ``a`` to [0, 1] (the paper's score range); False keeps the raw value (reference code).
         seed: seed of the sampling generator (None: fresh OS entropy); ``random`` mode only.
         variant: ``paper`` gives ``a`` to the local adapter, ``reference`` to the global one.
-        weighting: ``paper`` (``lambda * mean cosine``) or ``calibrated`` (centred score mapped by the
-            client's calibration; ``routing.calibration``).
+        weighting: ``paper`` (``lambda * mean cosine``) or ``calibrated`` (the calibration's score mapped by
+            the client's calibration; ``routing.calibration``).
         similarity: ``cosine`` (paper), ``neg_l2`` or ``pearson`` (paper 000 Table 9's ablation).
         embedding: how the representation and the index's vectors are pooled: ``last`` token (paper) or
             ``mean`` (Table 10); an index pooled otherwise is refused.
@@ -230,12 +230,12 @@ class FedDPARouter:
         return RoutingDecision((GLOBAL, local_name(client)), weights, info)
 
     def _calibrated(self, q: np.ndarray, index: EmbeddingIndex, client: str) -> RoutingDecision:
-        """The calibrated decision: centred score of ``q`` against the client's instances, mapped to ``a``."""
+        """The calibrated decision: the calibration's score of ``q`` against the client's instances, mapped to ``a``."""
         cal = index.calibration
-        assert cal is not None and index.centred is not None
+        assert cal is not None
         if q.shape != (index.dim,) or not np.isfinite(q).all():
             raise RoutingError(f"representation must be a finite ({index.dim},) vector, got shape {q.shape}")
-        score = float(scores(cal.centred(q)[None, :], index.centred, cal.statistic, cal.k)[0])
+        score = index.calibrated_score(q)
         a = cal.weight(score, self.lambda_)
         if self.clip:
             a = min(max(a, 0.0), 1.0)

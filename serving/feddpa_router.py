@@ -4,8 +4,9 @@ Paper 000 section 4.3: the request's final-layer last-token state (captured by t
 prefill it runs anyway, with the global adapter on) is compared with S of the client's cached
 local-instance embeddings (``routing.cache``, a faiss index per client written at the end of
 training); ``a = lambda * mean cosine``, clipped to [0, 1], weights ``<client>:local`` and ``1 - a``
-the global adapter. The ``calibrated`` rule (``routing.calibration``) maps the centred similarity with
-the client's calibration stored beside its index instead. Only the requested client's files are read.
+the global adapter. The ``calibrated`` rule (``routing.calibration``) maps its own score (by default
+the Mahalanobis distance to the client's instances) with the client's calibration stored beside its
+index instead. Only the requested client's files are read.
 The paper 000 ablations (Table 9's similarity, Table 10's mean-token embedding, the reference code's
 assignment of ``a`` to the global adapter) are the router's options; with ``mean`` the engine hands over
 the mean of the prompt's final-layer states (``pooling``) and every client's index must hold

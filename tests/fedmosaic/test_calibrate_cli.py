@@ -32,6 +32,8 @@ def test_training_writes_each_clients_calibration_beside_its_index(run: RunDir) 
         cal = Calibration.load(run.client_dir(client))
         assert cal is not None and cal.fingerprint == fingerprint(np.load(run.embeddings(client)))
         assert cal.summary["n_instances"] == 6 and cal.summary["background_id"].startswith("generic-v1:")
+        assert cal.statistic == "mahalanobis" and len(cal.own_scores) == 6 and 0.0 < cal.shrinkage <= 1.0
+        assert json.loads((run.client_dir(client) / CALIBRATION_FILE).read_text())["format"] == 2
 
 
 def test_calibrate_command_rebuilds_the_same_calibration(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,8 +46,17 @@ def test_calibrate_command_rebuilds_the_same_calibration(run: RunDir, capsys: py
     for c, old in before.items():
         new = Calibration.load(run.client_dir(c))
         assert old is not None and new is not None and new.fingerprint == old.fingerprint
-        assert new.own == pytest.approx(old.own, abs=1e-4) and new.background == pytest.approx(old.background, abs=1e-4)
+        assert new.own == pytest.approx(old.own, rel=1e-4) and new.background == pytest.approx(old.background, rel=1e-4)
         np.testing.assert_allclose(new.center, old.center, atol=1e-4)
+        np.testing.assert_allclose(new.own_scores, old.own_scores, rtol=1e-4)
+        assert new.shrinkage == pytest.approx(old.shrinkage, rel=1e-6)
+    # the first calibrated rule on request: a centroid ramp, no held-out scores
+    assert main(["calibrate", str(run.root), "--dtype", "float32", "--statistic", "centroid"]) == 0
+    capsys.readouterr()
+    centroid = Calibration.load(run.client_dir(run.clients()[0]))
+    assert centroid is not None and centroid.statistic == "centroid" and centroid.own_scores == ()
+    assert main(["calibrate", str(run.root), "--dtype", "float32"]) == 0  # back to the default for the tests below
+    capsys.readouterr()
 
 
 def test_calibrate_command_errors(tmp_path: Path) -> None:
