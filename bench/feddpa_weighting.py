@@ -11,7 +11,7 @@ rule the mean and median ``a`` on the client's own task and on the other tasks, 
 other (1 = always apart) and the routing time per request (the decision alone; the prefill it follows
 is timed too, for scale). Prints one JSON object.
 
-Usage: python bench/feddpa_weighting.py --data feddpa1 [--run RUN_DIR] [--train 40] [--test 20]
+Usage: python bench/feddpa_weighting.py --data feddpa1 [--run RUN_DIR] [--train 300] [--test 40]
        [--embeddings cache.npz]   (reuses the embeddings of an earlier call with the same settings)
 """
 
@@ -120,8 +120,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="feddpa1")
     parser.add_argument("--run", default=None, help="a run directory whose global adapter is on while embedding")
-    parser.add_argument("--train", type=int, default=40, help="training prompts per client (the index)")
-    parser.add_argument("--test", type=int, default=20, help="test prompts per task")
+    parser.add_argument("--train", type=int, default=300,
+                        help="training prompts per client (the index; training indexes all of them)")
+    parser.add_argument("--test", type=int, default=40, help="test prompts per task")
     parser.add_argument("--embeddings", default=None, help="npz cache of the embeddings (read if present)")
     args = parser.parse_args()
     cache = Path(args.embeddings) if args.embeddings else None

@@ -43,8 +43,9 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
                    help="mahalanobis: distance to the instances' shrunk Gaussian (default); centroid: mean centred "
                         "cosine over every instance; knn: over the k nearest")
     p.add_argument("--k", type=int, default=5, help="neighbours averaged by --statistic knn")
-    p.add_argument("--background-quantile", type=float, default=1.0,
-                   help="quantile of the background prompts' scores that maps to a = 0 (1: the highest)")
+    p.add_argument("--background-quantile", type=float, default=None,
+                   help="quantile of the background prompts' scores at or below which a = 0 (1: the highest; "
+                        "default 0.98 for mahalanobis, 1 for centroid and knn)")
     p.add_argument("--feddpa-embedding", choices=POOLINGS, default=None,
                    help="pool the index's states as the last token or the mean over the prompt's tokens (paper 000 "
                         "Table 10); an index pooled otherwise is rebuilt from the run's data (default: keep each "
@@ -57,7 +58,7 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str = "mahalanobis", k: int = 5,
-                  background_quantile: float = 1.0, dtype: str | None = None, device: str | None = None,
+                  background_quantile: float | None = None, dtype: str | None = None, device: str | None = None,
                   embedding: str | None = None, rebuild: bool = False) -> dict[str, Any]:
     """Write ``embeddings.calibration.json`` for every client of ``run_dir`` that has an embedding index.
 
@@ -66,7 +67,8 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
         model: base model (default: ``run.json``'s).
         statistic: ``mahalanobis``, ``centroid`` or ``knn`` (``routing.calibration``).
         k: neighbours of ``knn``.
-        background_quantile: the background scores' quantile that maps to ``a = 0``.
+        background_quantile: the background scores' quantile that maps to ``a = 0`` (None: the statistic's
+            default, ``routing.calibration.calibrate``).
         dtype: compute dtype.
         device: where the model runs.
         embedding: ``last`` or ``mean``: rebuild every index pooled otherwise (None: keep each client's).
@@ -126,7 +128,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic calibrate``: prints one JSON object (per client: references and file)."""
-    if args.k < 1 or not 0.0 <= args.background_quantile <= 1.0:
+    if args.k < 1 or (args.background_quantile is not None and not 0.0 <= args.background_quantile <= 1.0):
         raise SystemExit("fedmosaic calibrate: --k must be >= 1 and --background-quantile in [0, 1]")
     try:
         result = calibrate_run(args.run_dir, args.model, args.statistic, args.k, args.background_quantile,

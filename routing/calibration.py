@@ -18,12 +18,14 @@ global adapter on) and fixes the estimator:
    vectors); ``knn`` averages the ``k`` largest. Both centre on ``mu`` first; the Gaussian has its own mean.
 3. **Map** the score with the client's own calibration, computed when the index is built from the
    client's instances' held-out scores (5-fold for the Gaussian, whose fit would otherwise have seen
-   them; leave-one-out for the cosines) and ``b``, the highest score of a background prompt. The
+   them; leave-one-out for the cosines) and ``b``, a high quantile of the background prompts' scores. The
    Gaussian's map is a conformal p-value (Bates et al., Annals of Statistics 2023): ``p`` is the share
    of held-out own scores at most ``s``, and ``a = lambda * min(1, p / q)`` with ``q = 0.25``, so a
    prompt at least as typical as the client's lower quartile gets ``lambda`` and one less typical than
-   every own instance gets 0; any prompt no closer than the closest generic prompt (``s <= b``) gets 0.
-   The cosines' map is a ramp between ``o``, the held-out scores' lower quartile, and ``b``:
+   every own instance gets 0; any prompt no closer than about the third closest of the 150 generic prompts
+   (``s <= b``, their 0.98 quantile, robust to a generic prompt of the client's own task) gets 0.
+   The cosines' map is a ramp between ``o``, the held-out scores' lower quartile, and ``b`` (there the
+   highest background score):
    ``a = lambda * clip((s - b) / (o - b), 0, 1)`` (README, "Instance-wise weighting").
 
 Only the client's own instances and public prompts enter a calibration, so it keeps the isolation of
@@ -51,6 +53,7 @@ CALIBRATION_FILE = "embeddings.calibration.json"
 FORMAT = 2  # format 1 (centroid / knn only, no shrinkage) is still read
 Statistic = Literal["mahalanobis", "centroid", "knn"]
 STATISTICS: tuple[str, ...] = ("mahalanobis", "centroid", "knn")
+GUARD_QUANTILE = 0.98  # the background scores' quantile below which the Gaussian's map gives a = 0
 Scorer = Callable[[np.ndarray], np.ndarray]  # (Q, H) raw states -> (Q,) scores, higher = more typical
 _CHUNK = 1024  # rows of the leave-one-out similarity matrix held at once
 
@@ -217,7 +220,7 @@ def scores(unit_queries: np.ndarray, unit_instances: np.ndarray, statistic: Stat
 
 
 def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statistic = "mahalanobis", k: int = 5,
-              background_quantile: float = 1.0, background_id: str = "", own_quantile: float = 0.25,
+              background_quantile: float | None = None, background_id: str = "", own_quantile: float = 0.25,
               shrinkage: float | None = None) -> Calibration:
     """Calibrate one client from its instance states and the background prompts' states.
 
@@ -227,6 +230,10 @@ def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statisti
         statistic: ``mahalanobis`` (default), ``centroid`` or ``knn``.
         k: neighbours for ``knn``.
         background_quantile: which quantile of the background scores maps to ``a = 0`` (1: the highest).
+            None: 0.98 for ``mahalanobis`` (about the third closest of 150 public prompts: one or two generic
+            prompts that happen to be of the client's task, such as the background's capital-city
+            question for a capitals client, would otherwise zero the client's own prompts), 1 for the
+            cosine statistics (their first calibrations).
         background_id: name of the background set (stored in the summary).
         own_quantile: which quantile of the held-out own scores maps to ``a = lambda``.
         shrinkage: the Gaussian's covariance shrinkage (None: the Ledoit-Wolf estimate of the instances).
@@ -240,6 +247,8 @@ def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statisti
                            f"and {background.shape}")
     if len(instances) < 2 or len(background) < 2:
         raise RoutingError("calibration needs at least 2 instances and 2 background prompts")
+    if background_quantile is None:
+        background_quantile = GUARD_QUANTILE if statistic == "mahalanobis" else 1.0
     if not (0.0 <= background_quantile <= 1.0 and 0.0 <= own_quantile <= 1.0):
         raise RoutingError(f"quantiles must be in [0, 1], got {background_quantile} and {own_quantile}")
     if statistic not in STATISTICS:
