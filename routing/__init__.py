@@ -5,7 +5,15 @@ explicit weights, and the one contract: every router returns a ``RoutingDecision
 ``WeightRouter`` for a client's. Imports only ``adapters`` (plus torch, numpy, faiss).
 """
 
-from routing.base import GLOBAL, LOCAL_SUFFIX, RoutingDecision, RoutingError, WeightRouter, local_name
+from routing.base import (
+    GLOBAL,
+    LOCAL_SUFFIX,
+    RoutingDecision,
+    RoutingError,
+    StoredRoutingError,
+    WeightRouter,
+    local_name,
+)
 from routing.cache import EmbeddingIndex, IndexCache
 from routing.embedding import embed_prompts, last_token_state
 from routing.feddpa import FedDPARouter
@@ -20,6 +28,7 @@ __all__ = [
     "IndexCache",
     "RoutingDecision",
     "RoutingError",
+    "StoredRoutingError",
     "WeightRouter",
     "base_model",
     "embed_prompts",

@@ -33,6 +33,11 @@ class RoutingError(AdapterError):
     """A routing request or decision is malformed (unknown adapter, bad weight, bad hyper-parameter)."""
 
 
+class StoredRoutingError(RoutingError):
+    """A client's stored routing files (embedding index, calibration) cannot be used: missing, unreadable,
+    malformed or stale. The fault is the run folder's, not the request's (a server answers 500)."""
+
+
 @dataclass(frozen=True, eq=False)
 class RoutingDecision:
     """Adapter names and their weights for one request.

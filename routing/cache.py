@@ -26,7 +26,7 @@ import numpy as np
 
 from adapters import AdapterError
 from adapters.rundir import check_client_id
-from routing.base import RoutingError
+from routing.base import RoutingError, StoredRoutingError
 from routing.calibration import CALIBRATION_FILE, Calibration, Scorer, fingerprint
 from routing.embedding import Pooling, check_pooling
 
@@ -299,7 +299,8 @@ class IndexCache:
 
         Raises:
             RoutingError: a bad client id.
-            FileNotFoundError: the client has no saved embeddings.
+            StoredRoutingError: the client's files are missing, unreadable, malformed or stale (a
+                FileNotFoundError under it when the client has no saved embeddings).
         """
         key = (_client_id(client), version)
         with self._lock:
@@ -307,7 +308,10 @@ class IndexCache:
             if hit is not None:
                 self._items.move_to_end(key)
                 return hit
-        index = EmbeddingIndex.load(self.client_folder(client), stem=self.stem, use_faiss=self.use_faiss)
+        try:
+            index = EmbeddingIndex.load(self.client_folder(client), stem=self.stem, use_faiss=self.use_faiss)
+        except (OSError, ValueError, RuntimeError) as exc:  # faiss raises RuntimeError on a corrupt file
+            raise StoredRoutingError(f"the FedDPA files of client {key[0]!r} cannot be used: {exc}") from exc
         self.put(client, version, index)
         return index
 

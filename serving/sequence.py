@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from adapters import AdapterError
+from routing.base import StoredRoutingError
 from serving.amole_router import AMoLEClientRoute, usage_report
 from serving.errors import InvalidRequest
 from serving.logits import TokenLogprob
@@ -74,7 +75,9 @@ class Sequence:
 
 
 def error_status(exc: BaseException) -> int:
-    """400 when the request itself caused ``exc``, else 500."""
+    """400 when the request itself caused ``exc``, else 500 (a client's broken routing files are the server's)."""
+    if isinstance(exc, StoredRoutingError):
+        return 500
     return 400 if isinstance(exc, InvalidRequest | AdapterError | ValueError) else 500
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from routing import EmbeddingIndex, IndexCache, RoutingError
+from routing import EmbeddingIndex, IndexCache, RoutingError, StoredRoutingError
 
 
 def vectors(n: int = 40, h: int = 16, seed: int = 0) -> np.ndarray:
@@ -127,8 +127,9 @@ def test_cache_client_isolation(tmp_path: Path) -> None:
     _write(tmp_path, "bob", vectors(seed=9))
     (tmp_path / "alice").mkdir()
     cache = IndexCache(tmp_path)
-    with pytest.raises(FileNotFoundError, match="alice"):
+    with pytest.raises(StoredRoutingError, match="alice") as info:
         cache.get("alice")  # alice has no vectors: bob's are never a fallback
+    assert isinstance(info.value.__cause__, FileNotFoundError)
     for bad in ("../bob", "alice/../bob", "/abs", "..", ""):
         with pytest.raises(RoutingError, match="plain name"):
             cache.get(bad)

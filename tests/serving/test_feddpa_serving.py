@@ -161,6 +161,29 @@ def test_a_reloaded_clients_index_is_read_again(run_dir: Path, tmp_path: Path) -
     assert after["mean_similarity"] == pytest.approx(-before["mean_similarity"], abs=1e-5)
 
 
+def test_a_clients_broken_calibration_is_the_servers_fault_and_spares_the_others(run_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """A malformed file in the run folder fails that client's requests with 500 and a request id (the
+    request was fine); the other clients and the engine go on serving."""
+    import json
+    import shutil
+
+    from routing.calibration import CALIBRATION_FILE
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    path = run / "adapters" / "clients" / "capitals" / CALIBRATION_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), "shrinkage": 5}))
+    with serve(run, "instance", feddpa_weighting=None) as client:
+        ready(client)
+        broken = client.post("/v1/chat/completions", json={
+            "model": "capitals", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Capital of Peru?"}]})
+        assert broken.status_code == 500 and "request" in broken.json()["error"]["message"]
+        assert client.post("/v1/chat/completions", json=SORT).status_code == 200
+        assert client.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("prefill", ["exact", "once"])
 def test_feddpa_prefill_exact_runs_the_prompt_twice_and_once_keeps_the_routing_pass(run_dir: Path,
                                                                                     prefill: str) -> None:
