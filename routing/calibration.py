@@ -6,8 +6,8 @@ hardly moves between a client's own task and any other (issue 19: 0.49 vs 0.44 a
 calibrated rule keeps the paper's idea (similarity to the client's own instances, computed with the
 global adapter on) and fixes the estimator:
 
-1. **Centre** every state on ``mu``, the mean state of public background prompts
-   (:mod:`routing.background`) under the same global adapter, which removes the shared direction.
+1. **Centre** (the cosine statistics) every state on ``mu``, the mean state of public background
+   prompts (:mod:`routing.background`) under the same global adapter, which removes the shared direction.
 2. **Score** a prompt against the client's instances. ``mahalanobis`` (default, format 2) is minus
    the squared Mahalanobis distance to a shrunk Gaussian fitted to the instances
    (:mod:`routing.gaussian`): it scores the prompt's whole offset from the client's data, where a
@@ -71,7 +71,7 @@ def fingerprint(vectors: np.ndarray) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Calibration:
-    """One client's calibration of the centred similarity score.
+    """One client's calibration of its routing score (the Gaussian's, or a centred cosine's).
 
     Attributes:
         center: (H,) background mean subtracted from every state by the cosine statistics; the
@@ -124,7 +124,7 @@ class Calibration:
     def scorer(self, instances: np.ndarray) -> Scorer:
         """The per-request score against ``instances`` (N, H), with its per-index work done once here.
 
-        ``mahalanobis`` fits the Gaussian (one (H, H) eigendecomposition); the cosine statistics
+        ``mahalanobis`` fits the Gaussian (one eigendecomposition of the instances' Gram matrix); the cosine statistics
         centre and normalise the instances. The returned function maps (Q, H) raw states to (Q,).
         """
         if self.statistic == "mahalanobis":
