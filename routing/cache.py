@@ -105,8 +105,6 @@ class EmbeddingIndex:
         raw: (N, H) the vectors as given.
         unit: (N, H) L2-normalised copies (what every cosine uses).
         calibration: the client's calibration of its score (``routing.calibration``), if any.
-        centred: (N, H) unit vectors of ``raw - calibration.center`` (None without a calibration or
-            with a ``mahalanobis`` one, which scores through its Gaussian instead).
         pooling: how the vectors were pooled from the final-layer states: ``last`` token or ``mean``.
     """
 
@@ -121,7 +119,6 @@ class EmbeddingIndex:
         self.unit = np.ascontiguousarray(_normalise(self.raw))
         self.pooling: Pooling = check_pooling(pooling)
         self.calibration: Calibration | None = None
-        self.centred: np.ndarray | None = None
         self._scorer: Scorer | None = None
         if calibration is not None:
             self.set_calibration(calibration)
@@ -156,8 +153,6 @@ class EmbeddingIndex:
             raise RoutingError("the FedDPA calibration does not match this index's vectors (built from another "
                                "index); rebuild it with `fedmosaic calibrate RUN_DIR`")
         self._scorer = calibration.scorer(self.raw)
-        self.centred = None if calibration.statistic == "mahalanobis" else \
-            np.ascontiguousarray(calibration.centred(self.raw))
         self.calibration = calibration
 
     def calibrated_score(self, query: np.ndarray) -> float:
