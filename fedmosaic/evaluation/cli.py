@@ -8,9 +8,9 @@ from pathlib import Path
 from adapters import AdapterError
 from fedmosaic.evaluation.backend import WEIGHTING
 from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, compare_runs, evaluate_run
-from fedmosaic.evaluation.metrics import METRICS
 from models import settings
 from training.data import DataError
+from training.metrics import METRICS
 
 # What a bad run directory, data set or test set raises: one line on stderr, never a traceback.
 _USER_ERRORS = (AdapterError, DataError, EvalSetupError)

@@ -28,7 +28,6 @@ from adapters.rundir import RunDir
 from fedmosaic.evaluation import plots, tables, testsets
 from fedmosaic.evaluation.backend import WEIGHTING, EvalBackend, EvalItem, tag_of
 from fedmosaic.evaluation.inputs import EvalSetupError, load_inputs
-from fedmosaic.evaluation.metrics import METRICS, Scores, score
 from fedmosaic.evaluation.predictions import PredictionCache, make_row
 from fedmosaic.evaluation.stack_backend import open_backend
 from fedmosaic.evaluation.testsets import TestSet
@@ -36,6 +35,7 @@ from fedmosaic.evaluation.weights import weight_outputs
 from routing.embedding import check_pooling
 from routing.feddpa import VARIANTS, similarity_name
 from training.data import FederatedDataset, PromptConfig, prompt_texts
+from training.metrics import METRICS, Scores, score
 
 
 @dataclass(frozen=True)
