@@ -11,12 +11,14 @@ each client's calibration uses its own embeddings only.
 that way: a client whose index was pooled otherwise (``embeddings.kind.json``; none: last token) gets it
 rebuilt from its training instances, re-read from the run's data set as ``run.json`` records it and
 embedded with the final global adapter, then calibrated; ``--rebuild-index`` rebuilds it whatever its
-pooling. Each client's index is built from that client's own instances only.
+pooling. Each client's index is built from that client's own instances only. A client's gate (the check
+of its local adapter on held-out examples at the end of training) is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,9 @@ from adapters import inject, load_adapter, read_adapter_folder
 from adapters.rundir import RunDir
 from models import load_base_model, settings
 from routing.background import background_id
+from routing.base import RoutingError
 from routing.cache import EmbeddingIndex, index_pooling
-from routing.calibration import CALIBRATION_FILE, STATISTICS, calibrate
+from routing.calibration import CALIBRATION_FILE, STATISTICS, Calibration, calibrate
 from routing.embedding import POOLINGS, Pooling, embed_prompts
 from training.data import load_run_dataset
 from training.personalize import background_prompts, instance_prompts, write_index
@@ -75,7 +78,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
         rebuild: rebuild every index from the client's training instances.
 
     Returns:
-        ``{client: {"own": o, "background": b, "path": file, "embedding": pooling, "rebuilt": bool}}``.
+        ``{client: {"own": o, "background": b, "path": file, "embedding": pooling, "rebuilt": bool, "gain": g}}``.
 
     Raises:
         ValueError: the run has no global adapter or no client with an embedding index.
@@ -117,13 +120,27 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
             else np.load(run.embeddings(client), allow_pickle=False)
         cal = calibrate(vectors, backgrounds[pooling], statistic, k, background_quantile,  # type: ignore[arg-type]
                         background_id())
+        cal = kept_gate(cal, folder)
         if client in redo:
             write_index(EmbeddingIndex(vectors, calibration=cal, pooling=pooling), folder)
         else:
             cal.save(folder)
         out[client] = {"own": cal.own, "background": cal.background, "path": str(folder / CALIBRATION_FILE),
-                       "embedding": pooling, "rebuilt": client in redo}
+                       "embedding": pooling, "rebuilt": client in redo, "gain": cal.gain}
     return out
+
+
+def kept_gate(cal: Calibration, folder: Path) -> Calibration:
+    """``cal`` with the gain and gate of ``folder``'s current calibration, if that one holds a gate.
+
+    The gate is a verdict on the client's adapters from its held-out examples (``training.local_gate``),
+    not on its index: rebuilding the calibration or the index keeps it. An unreadable old file has none.
+    """
+    try:
+        old = Calibration.load(folder)
+    except RoutingError:
+        return cal
+    return dataclasses.replace(cal, gain=old.gain, gate=old.gate) if old is not None and old.gate else cal
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

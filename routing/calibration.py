@@ -8,7 +8,7 @@ global adapter on) and fixes the estimator:
 
 1. **Centre** (the cosine statistics) every state on ``mu``, the mean state of public background
    prompts (:mod:`routing.background`) under the same global adapter, which removes the shared direction.
-2. **Score** a prompt against the client's instances. ``mahalanobis`` (default, format 2) is minus
+2. **Score** a prompt against the client's instances. ``mahalanobis`` (the default since format 2) is minus
    the squared Mahalanobis distance to a shrunk Gaussian fitted to the instances
    (:mod:`routing.gaussian`): it scores the prompt's whole offset from the client's data, where a
    cosine sees only the direction of the client's mean, so another task lying along that direction is
@@ -27,6 +27,9 @@ global adapter on) and fixes the estimator:
    The cosines' map is a ramp between ``o``, the held-out scores' lower quartile, and ``b`` (there the
    highest background score):
    ``a = lambda * clip((s - b) / (o - b), 0, 1)`` (README, "Instance-wise weighting").
+4. **Gate** ``lambda`` by the client's ``gain`` (format 3): 0 when the client's local adapter, mixed in,
+   answered its held-out examples no better than the global adapter alone at the end of training
+   (``training.local_gate``), 1 when it answered them better or without a check.
 
 Only the client's own instances and public prompts enter a calibration, so it keeps the isolation of
 the index it sits beside (``embeddings.calibration.json``); a fingerprint of the instance vectors
@@ -50,7 +53,7 @@ from routing.base import RoutingError
 from routing.gaussian import Gaussian, held_out_sq_distances, ledoit_wolf_shrinkage
 
 CALIBRATION_FILE = "embeddings.calibration.json"
-FORMAT = 2  # format 1 (centroid / knn only, no shrinkage) is still read
+FORMAT = 3  # formats 1 (centroid / knn only, no shrinkage) and 2 (no gate: gain 1) are still read
 Statistic = Literal["mahalanobis", "centroid", "knn"]
 STATISTICS: tuple[str, ...] = ("mahalanobis", "centroid", "knn")
 GUARD_QUANTILE = 0.98  # the background scores' quantile below which the Gaussian's map gives a = 0
@@ -88,6 +91,10 @@ class Calibration:
         own_scores: the held-out own scores, ascending, of the conformal map (``mahalanobis``; empty:
             the ramp between ``background`` and ``own``).
         own_quantile: the share ``q`` of own scores below the level that gets the full ``lambda``.
+        gain: the client's gate on ``lambda`` (0 or 1): 0 when its local adapter did no better than the
+            global alone on its held-out examples at the end of training (``training.local_gate``), so
+            that the client is served the global adapter; 1 when it did better, or without a check.
+        gate: what the gate measured (validation scores per weight, examples, metric; empty: no check).
     """
 
     center: np.ndarray
@@ -100,6 +107,8 @@ class Calibration:
     shrinkage: float = 0.0
     own_scores: tuple[float, ...] = ()
     own_quantile: float = 0.25
+    gain: float = 1.0
+    gate: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         center = np.asarray(self.center, dtype=np.float32)
@@ -114,6 +123,9 @@ class Calibration:
             raise RoutingError(f"calibration shrinkage must be in [0, 1], got {self.shrinkage}")
         if not (0.0 <= self.own_quantile <= 1.0) or not all(math.isfinite(v) for v in self.own_scores):
             raise RoutingError("calibration own scores must be finite and own_quantile in [0, 1]")
+        if isinstance(self.gain, bool) or not isinstance(self.gain, int | float) \
+                or not (math.isfinite(self.gain) and 0.0 <= self.gain <= 1.0):
+            raise RoutingError(f"calibration gain must be in [0, 1], got {self.gain!r}")
         object.__setattr__(self, "center", center)
         object.__setattr__(self, "own_scores", tuple(sorted(float(v) for v in self.own_scores)))
 
@@ -140,7 +152,9 @@ class Calibration:
         own_quantile)`` with ``p`` the share of own scores ``<= score``. Ramp: ``lambda * clip((score -
         background) / (own - background), 0, 1)``; when the client's own prompts score no higher than
         the background (nothing to separate), any score above the background gets the full ``lambda``.
+        Either is scaled by the client's ``gain``.
         """
+        lambda_ = lambda_ * self.gain
         if self.own_scores:
             if score <= self.background:
                 return 0.0
@@ -155,13 +169,14 @@ class Calibration:
         return {"format": FORMAT, "statistic": self.statistic, "k": self.k, "own": self.own,
                 "background": self.background, "shrinkage": self.shrinkage, "fingerprint": self.fingerprint,
                 "own_quantile": self.own_quantile, "own_scores": list(self.own_scores), "summary": self.summary,
+                "gain": self.gain, "gate": self.gate,
                 "center": [float(x) for x in self.center]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Calibration:
-        """Inverse of :meth:`to_json` (format 1 files too); raises RoutingError on another format or missing fields."""
-        if not isinstance(data, dict) or data.get("format") not in (1, FORMAT):
-            raise RoutingError(f"not a format-1 or format-{FORMAT} FedDPA calibration")
+        """Inverse of :meth:`to_json` (formats 1 and 2 too); raises RoutingError on another format or missing fields."""
+        if not isinstance(data, dict) or data.get("format") not in (1, 2, FORMAT):
+            raise RoutingError(f"not a format-1, 2 or {FORMAT} FedDPA calibration")
         if data["format"] == 1 and data.get("statistic") not in ("centroid", "knn"):
             raise RoutingError("a format-1 FedDPA calibration has statistic centroid or knn, got "
                                f"{data.get('statistic')!r}")
@@ -169,7 +184,8 @@ class Calibration:
             return cls(np.asarray(data["center"], dtype=np.float32), float(data["own"]), float(data["background"]),
                        data["statistic"], int(data["k"]), str(data["fingerprint"]), dict(data.get("summary", {})),
                        float(data.get("shrinkage", 0.0)), tuple(float(v) for v in data.get("own_scores", ())),
-                       float(data.get("own_quantile", 0.25)))
+                       float(data.get("own_quantile", 0.25)),
+                       float(data["gain"]) if data["format"] >= 3 else 1.0, dict(data.get("gate") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise RoutingError(f"malformed FedDPA calibration: {exc}") from exc
 

@@ -12,7 +12,8 @@ of them afresh for each request (the paper's estimator), ``knn`` takes the S nea
 ``weighting="paper"`` is that rule. ``weighting="calibrated"`` (:mod:`routing.calibration`) scores the
 prompt against the client's instances (by default minus its squared Mahalanobis distance to their
 shrunk Gaussian; the centred cosine in format-1 calibrations) and maps it with the client's stored
-calibration, so a prompt typical of the client's data gets ``lambda`` and an unrelated one 0; S and
+calibration, so a prompt typical of the client's data gets ``lambda`` (times the client's gate: 0 when
+its local adapter did no better than the global on held-out examples) and an unrelated one 0; S and
 the sampling mode do not apply to it. A client without a calibration is weighted by the paper's rule
 (the decision's ``info`` says so).
 
@@ -178,7 +179,8 @@ class FedDPARouter:
             reference variant);
             info holds ``weighting``, ``mode``, ``S``, ``S_requested``, ``mean_similarity``, ``lambda``,
             ``a``, ``variant`` and, when the index was smaller than S, a ``note``; a calibrated decision
-            holds ``weighting``, ``statistic``, ``score``, ``own``, ``background``, ``lambda``, ``a``, ``variant``.
+            holds ``weighting``, ``statistic``, ``score``, ``own``, ``background``, ``lambda``, ``gain`` (the
+            client's gate on lambda), ``a``, ``variant``.
 
         Raises:
             RoutingError: a representation of the wrong width or with NaN/inf, or an index pooled
@@ -241,7 +243,8 @@ class FedDPARouter:
             a = min(max(a, 0.0), 1.0)
         weights = torch.tensor([1.0 - a, a] if self.variant == "paper" else [a, 1.0 - a], dtype=torch.float64)
         info = {"weighting": "calibrated", "statistic": cal.statistic, "score": score, "own": cal.own,
-                "background": cal.background, "lambda": float(self.lambda_), "a": a, "variant": self.variant}
+                "background": cal.background, "lambda": float(self.lambda_), "gain": cal.gain, "a": a,
+                "variant": self.variant}
         if self.embedding != "last":
             info["embedding"] = self.embedding
         return RoutingDecision((GLOBAL, local_name(client)), weights, info)

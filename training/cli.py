@@ -11,6 +11,7 @@ import argparse
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models import settings
@@ -116,6 +117,9 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--leave-out", default=None, metavar="TASKS",
                    help="leave-one-task-out (FedOA): no client trains these comma-separated tasks; eval scores them "
                         "as out-of-distribution (recorded in run.json, so eval reloads the same split)")
+    p.add_argument("--hold-out", type=float, default=None, metavar="SHARE",
+                   help="hold out this share (0-0.5] of each client's examples, never trained on: FedDPA clients "
+                        "check on it whether their local adapter helps (the calibrated weighting's gate; in run.json)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, e.g. alpha=0.3, mu=0.01, lambda=0.5, weighting=num_examples")
     return p
@@ -142,6 +146,10 @@ def run_train(args: argparse.Namespace) -> int:
             data_options["families"] = args.families.split(",")
     if args.leave_out:
         data_options["leave_out"] = [t for t in args.leave_out.split(",") if t]
+    if args.hold_out is not None:
+        if not 0.0 < args.hold_out <= 0.5:
+            raise SystemExit(f"fedmosaic train: --hold-out must be in (0, 0.5], got {args.hold_out}")
+        data_options["hold_out"] = args.hold_out
     overrides = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in TRAIN_OVERRIDES}
     eff = method_settings(args.method, args.preset, args.rounds, options, **overrides)
     if args.print_config:
@@ -160,4 +168,25 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"{summary.method}: {summary.rounds} rounds in {summary.seconds:.1f} s -> {summary.run_dir}")
     print("  mean client loss per round: " + ", ".join(f"{x:.3f}" for x in summary.losses))
     print(f"  bytes up {summary.bytes_up:,}  down {summary.bytes_down:,}  failures {len(summary.failures)}")
+    gates = gate_lines(Path(summary.run_dir))
+    if gates:
+        kept = sum(line.endswith("kept") for line in gates)
+        print(f"  local adapters kept by the hold-out check: {kept} of {len(gates)}")
+        for line in gates:
+            print("    " + line)
     return 0
+
+
+def gate_lines(run_dir: Path) -> list[str]:
+    """One line per client whose calibration holds a hold-out check (``training.local_gate``): its scores."""
+    from adapters.rundir import RunDir
+    from routing.calibration import Calibration
+
+    run, lines = RunDir(run_dir), []
+    for client in run.clients():
+        cal = Calibration.load(run.client_dir(client)) if run.embeddings(client).is_file() else None
+        if cal is not None and cal.gate:
+            g = cal.gate
+            lines.append(f"{client}: {g['metric']} global {g['global']:.2f}, mixed at {g['lambda']} {g['mixed']:.2f} "
+                         f"on {g['n']} held-out examples: {'kept' if cal.gain else 'global only'}")
+    return lines

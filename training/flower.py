@@ -173,7 +173,7 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         if finalize:  # the router's index is built where the instances live
 
             def personalize(folder: Path) -> ClientState:
-                finish_client(m, m.client(opts), ins.state, ctx, folder)
+                finish_client(m, m.client(opts), ins.state, ctx, folder, m.mixture_weight(opts))
                 return ctx.private
 
             store.save_final(personalize)

@@ -6,12 +6,15 @@ instance-wise weighting (paper 000, section 4.3) the client then embeds its own 
 the final global adapter on (final-layer last-token states) and keeps them as a faiss index beside its
 adapter, for the serving router, with the calibration of its weighting (``routing.calibration``: the
 instances against each other and against public background prompts, embedded with the same adapter).
+A client with held-out examples first checks its local adapter on them (``training.local_gate``); the
+calibration keeps the verdict as its gain on lambda.
 The simulator runs this for every client in-process, a Flower node for its own client, where the
 instances live (the Flower server then gathers every ``embeddings.*`` file).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,12 +26,13 @@ from routing.calibration import calibrate
 from routing.embedding import embed_prompts
 from training import durable
 from training.data import ClientData, PromptConfig, Record, prompt_texts
+from training.local_gate import GateResult, check_local
 from training.protocol import ClientAlgorithm, ClientContext, Method, StateDict
 from training.runtime import Runtime
 
 
 def finish_client(method: Method, client: ClientAlgorithm, state: StateDict, ctx: ClientContext,
-                  index_folder: Path | None) -> None:
+                  index_folder: Path | None, mixture_weight: float | None = None) -> None:
     """Personalize ``ctx``'s client from the final server ``state``; save its instance index where it is used.
 
     Args:
@@ -37,26 +41,35 @@ def finish_client(method: Method, client: ClientAlgorithm, state: StateDict, ctx
         state: the final server state (the global adapter).
         ctx: the client's context; ``finalize`` updates its private state.
         index_folder: where to save the index (None: no index).
+        mixture_weight: FedDPA's lambda, checked on the client's held-out examples when it has some and
+            a local adapter (None or 0: no check).
     """
     client.finalize(state, ctx)
     if index_folder is not None and method.instance_weighting and state:
         ctx.runtime.set("global", state)
-        save_instance_index(ctx.runtime, ctx.data, index_folder)
+        gate = None
+        if ctx.data.validation and mixture_weight and "local" in ctx.private:
+            ctx.runtime.set("local", ctx.private["local"])
+            gate = check_local(ctx.runtime, ctx.data.validation, min(float(mixture_weight), 1.0))
+        save_instance_index(ctx.runtime, ctx.data, index_folder, gate)
 
 
-def save_instance_index(rt: Runtime, client: ClientData, folder: Path) -> None:
+def save_instance_index(rt: Runtime, client: ClientData, folder: Path, gate: GateResult | None = None) -> None:
     """Embed ``client``'s training instances with the runtime's ``global`` adapter on; save the index in ``folder``.
 
     The prompts are formatted exactly as training formatted them, so serving's request embedding (same
     template, same adapter) is comparable. The index is saved with its calibration, its files written
     durably (:mod:`training.durable`). Training embeds the last token, as the paper; ``fedmosaic calibrate
-    --feddpa-embedding mean`` rebuilds the index mean-pooled.
+    --feddpa-embedding mean`` rebuilds the index mean-pooled. ``gate``, the check of the client's local
+    adapter, sets the calibration's gain.
     """
     prompts = instance_prompts(client, rt.tokenizer, rt.train.prompt_style)
     vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
     generic = background_prompts(rt.tokenizer, rt.train.prompt_style)
     background = embed_prompts(rt.model, rt.adapted, rt.tokenizer, generic, ("global",), autocast=rt.loaded.autocast)
     calibration = calibrate(vecs, background, background_id=background_id())
+    if gate is not None:
+        calibration = dataclasses.replace(calibration, gain=gate.gain, gate=gate.asdict())
     write_index(EmbeddingIndex(vecs, calibration=calibration), folder)
 
 

@@ -79,8 +79,9 @@ class InProcessTransport(Transport):
     """Runs each client's half of the method in this process, on the shared runtime."""
 
     def __init__(self, method: Method, client: ClientAlgorithm, dataset: FederatedDataset, rt: Runtime,
-                 sim: SimConfig) -> None:
+                 sim: SimConfig, mixture_weight: float | None = None) -> None:
         self.method, self.client, self.dataset, self.rt, self.sim = method, client, dataset, rt, sim
+        self.mixture_weight = mixture_weight  # FedDPA's lambda, checked on held-out examples at the end
         self.private: dict[str, ClientState] = {}
         self._pending: dict[str, ClientState] = {}
         self._personal: dict[str, StateDict] = {}  # the server's personalised model per client (pFedSeq)
@@ -127,7 +128,7 @@ class InProcessTransport(Transport):
         for c in tqdm(self.dataset.clients, desc="personalize", unit="client", leave=False):
             ctx = self._context(c.client_id, self.private.setdefault(c.client_id, {}))
             finish_client(self.method, self.client, self._personal.get(c.client_id, state), ctx,
-                          run.client_dir(c.client_id) if self.sim.embed else None)
+                          run.client_dir(c.client_id) if self.sim.embed else None, self.mixture_weight)
         lora, base = self.rt.train.lora, self.rt.adapted.base_model_name
         for cid, named in self.private.items():
             if "local" in named:
@@ -177,4 +178,4 @@ def run_federated(
             dataset = FederatedDataset(dataset.name, (ClientData("all", "all", pooled),), dataset.tests)
         rt = Runtime(loaded, train)
         plan = RunPlan(m, opts, dataset, rt, run, sim.round_config(), config, resume)
-        return run_rounds(plan, InProcessTransport(m, m.client(opts), dataset, rt, sim))
+        return run_rounds(plan, InProcessTransport(m, m.client(opts), dataset, rt, sim, m.mixture_weight(opts)))

@@ -33,7 +33,7 @@ def test_training_writes_each_clients_calibration_beside_its_index(run: RunDir) 
         assert cal is not None and cal.fingerprint == fingerprint(np.load(run.embeddings(client)))
         assert cal.summary["n_instances"] == 6 and cal.summary["background_id"].startswith("generic-v1:")
         assert cal.statistic == "mahalanobis" and len(cal.own_scores) == 6 and 0.0 < cal.shrinkage <= 1.0
-        assert json.loads((run.client_dir(client) / CALIBRATION_FILE).read_text())["format"] == 2
+        assert json.loads((run.client_dir(client) / CALIBRATION_FILE).read_text())["format"] == 3
 
 
 def test_calibrate_command_rebuilds_the_same_calibration(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:

@@ -261,3 +261,35 @@ def test_format_2_round_trip_and_format_1_still_read(tmp_path: Path, structured:
     (tmp_path / "b" / CALIBRATION_FILE).write_text(json.dumps(old))
     with pytest.raises(RoutingError, match="format-1"):
         Calibration.load(tmp_path / "b")
+
+
+def test_gain_scales_lambda_and_round_trips(tmp_path: Path, structured: dict[str, np.ndarray]) -> None:
+    cal = calibrate(structured["own_train"], structured["background"])
+    assert cal.gain == 1.0 and cal.gate == {}
+    gate = {"metric": "rouge1", "lambda": 0.5, "global": 41.0, "mixed": 23.0, "n": 30, "gain": 0.0}
+    off = Calibration(**{**cal.__dict__, "gain": 0.0, "gate": gate})
+    router = FedDPARouter(lambda_=0.5, weighting="calibrated")
+    own = structured["own_test"][:10]
+    on_weights = weights(router, EmbeddingIndex(structured["own_train"], calibration=cal), own)
+    assert on_weights.max() == 0.5  # the client's own prompts get lambda ...
+    off_index = EmbeddingIndex(structured["own_train"], calibration=off)
+    assert weights(router, off_index, own).tolist() == [0.0] * 10  # ... unless its gate closed
+    assert router.decide(own[0], off_index, client="a").info["gain"] == 0.0
+    off.save(tmp_path)
+    data = json.loads((tmp_path / CALIBRATION_FILE).read_text())
+    assert data["format"] == 3 and data["gain"] == 0.0 and data["gate"] == gate
+    back = Calibration.load(tmp_path)
+    assert back is not None and back.gain == 0.0 and back.gate == gate
+    data["format"] = 2  # written before the gate: no check, full lambda
+    for key in ("gain", "gate"):
+        data.pop(key)
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps(data))
+    old = Calibration.load(tmp_path)
+    assert old is not None and old.gain == 1.0 and old.own_scores == cal.own_scores
+    data["format"] = 3  # format 3 must say its gain
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps(data))
+    with pytest.raises(RoutingError, match="malformed.*gain"):
+        Calibration.load(tmp_path)
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(RoutingError, match="gain"):
+            Calibration(**{**cal.__dict__, "gain": bad})

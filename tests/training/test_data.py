@@ -19,6 +19,7 @@ from training.data import (
     dirichlet,
     format_prompt,
     generate_suite,
+    hold_out,
     leave_out,
     load_dataset,
     load_folder,
@@ -138,6 +139,24 @@ def test_partitions_keep_every_example_once() -> None:
     assert min(len(cl.train) for cl in a.clients) >= 5
     with pytest.raises(DataError, match="cannot give"):
         dirichlet(records, n_clients=10, alpha=0.5, min_size=10)
+
+    held = hold_out(ds, 0.25, seed=4)
+    for before, after in zip(ds.clients, held.clients, strict=True):
+        assert len(after.validation) == 5 and len(after.train) == 15  # round(0.25 * 20)
+        assert Counter(after.train + after.validation) == Counter(before.train)  # every example once
+        assert [r for r in before.train if r in after.train] == list(after.train)  # order kept
+    assert [c.validation for c in hold_out(ds, 0.25, seed=4).clients] == [c.validation for c in held.clients]
+    assert [c.validation for c in hold_out(ds, 0.25, seed=5).clients] != [c.validation for c in held.clients]
+    both = split_tasks(held, k=2, seed=1)  # the task split divides the held-out examples too
+    validation = [r for c in held.clients for r in c.validation]
+    assert Counter(r for c in both.clients for r in c.validation) == Counter(validation)
+    assert Counter(pool(both)) == Counter(pool(held))
+    loaded = load_dataset("generated", n_train=20, n_test=5, families=["sorting", "capitals", "arithmetic"],
+                          hold_out=0.25, hold_out_seed=4)
+    assert [c.validation for c in loaded.clients] == [c.validation for c in held.clients]
+    for bad in (0.0, 0.6, -1, True):
+        with pytest.raises(DataError, match="hold_out"):
+            hold_out(ds, bad)  # type: ignore[arg-type]
 
     loo = leave_out(ds, ["capitals"])
     assert loo.held_out == ("capitals",) and "capitals" in loo.tests

@@ -5,14 +5,14 @@ Benchmark data is read from ``FEDMOSAIC_DATA_DIR`` (default ``../shared/data``),
 
 from training.data.generated import generate_suite, write_suite
 from training.data.loaders import load_dataset, load_feddpa_format, load_folder, load_run_dataset, read_records
-from training.data.partition import dirichlet, leave_out, pool, sample_clients, split_tasks
+from training.data.partition import dirichlet, hold_out, leave_out, pool, sample_clients, split_tasks
 from training.data.prompts import PromptConfig, format_prompt
 from training.data.records import ClientData, DataError, FederatedDataset, Record
 from training.data.tokenize import IGNORE, Example, collate, prompt_texts, tokenize_record
 
 __all__ = [
     "IGNORE", "ClientData", "DataError", "Example", "FederatedDataset", "PromptConfig", "Record", "collate",
-    "dirichlet", "format_prompt", "generate_suite", "leave_out", "load_dataset", "load_feddpa_format",
+    "dirichlet", "format_prompt", "generate_suite", "hold_out", "leave_out", "load_dataset", "load_feddpa_format",
     "load_folder", "load_run_dataset", "pool", "prompt_texts", "read_records", "sample_clients", "split_tasks",
     "tokenize_record",
     "write_suite",

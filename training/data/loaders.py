@@ -156,8 +156,16 @@ def load_dataset(spec: str, data_dir: Path | None = None, **options: Any) -> Fed
             a folder in the FedDPA or the generic layout.
         data_dir: overrides the benchmark data folder.
         **options: the loader's options; ``leave_out`` (a task, a comma-separated list or a list) drops the
-            clients of those tasks and keeps their test sets: FedOA's leave-one-task-out (paper 001 s5.1).
+            clients of those tasks and keeps their test sets: FedOA's leave-one-task-out (paper 001 s5.1);
+            ``hold_out`` (a share in (0, 0.5]) moves that share of each client's examples to its validation
+            set (``partition.hold_out``, seeded by ``hold_out_seed``, default 0).
     """
+    share = options.pop("hold_out", None)
+    split_seed = options.pop("hold_out_seed", 0)
+    if share is not None:
+        from training.data.partition import hold_out
+
+        return hold_out(load_dataset(spec, data_dir, **options), share, seed=int(split_seed))
     held = options.pop("leave_out", None)
     if held:
         from training.data.partition import leave_out

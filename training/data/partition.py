@@ -4,7 +4,9 @@
 * a task split into k equal clients with a per-round sample rate: paper 000 appendix A.1 (40 clients
   = 8 tasks x 5, sample rate 0.2-1 per task per round);
 * Dirichlet label skew over a category field: FedAMoLE (paper 002, section 5.1; METHODS.md 1.9);
-* leave-one-task-out: FedOA (paper 001, section 5.1), the held-out tasks only tested.
+* leave-one-task-out: FedOA (paper 001, section 5.1), the held-out tasks only tested;
+* a held-out share of each client's examples, its validation set (our addition: the check of a client's
+  local adapter at the end of training, ``training.local_gate``).
 
 Every function keeps each training example exactly once (tested).
 """
@@ -31,7 +33,8 @@ def split_tasks(dataset: FederatedDataset, k: int, seed: int = 0) -> FederatedDa
         order = list(c.train)
         rng.shuffle(order)
         for j in range(k):
-            clients.append(ClientData(client_id=f"{c.client_id}-{j}", task=c.task, train=tuple(order[j::k])))
+            clients.append(ClientData(client_id=f"{c.client_id}-{j}", task=c.task, train=tuple(order[j::k]),
+                                      validation=c.validation[j::k]))
     name = dataset.name + f"-x{k}"
     return FederatedDataset(name, tuple(clients), dataset.tests, dataset.duplicates, dataset.held_out)
 
@@ -102,6 +105,30 @@ def leave_out(dataset: FederatedDataset, held_out: Sequence[str]) -> FederatedDa
         raise DataError(f"cannot hold out unknown tasks {sorted(unknown)}")
     clients = tuple(c for c in dataset.clients if c.task not in held_out)
     return FederatedDataset(dataset.name + "-loo", clients, dataset.tests, dataset.duplicates, tuple(held_out))
+
+
+def hold_out(dataset: FederatedDataset, share: float, seed: int = 0) -> FederatedDataset:
+    """Move ``share`` of each client's training examples into its ``validation`` set.
+
+    Each client holds out ``max(1, round(share * N))`` of its N examples, drawn by a generator seeded
+    with (``seed``, client id), so every runtime (simulator, Flower node, ``fedmosaic calibrate``) draws
+    the same split; the examples keep their order in both parts.
+
+    Raises:
+        DataError: ``share`` outside (0, 0.5], or a client with fewer than 2 examples.
+    """
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 < share <= 0.5:
+        raise DataError(f"hold_out must be a share of each client's examples in (0, 0.5], got {share!r}")
+    clients = []
+    for c in dataset.clients:
+        n = len(c.train)
+        if n < 2:
+            raise DataError(f"client {c.client_id!r} has {n} example(s): too few to hold any out")
+        k = max(1, round(share * n))
+        picked = set(random.Random(f"{seed}:{c.client_id}").sample(range(n), k))
+        clients.append(ClientData(c.client_id, c.task, tuple(r for i, r in enumerate(c.train) if i not in picked),
+                                  c.validation + tuple(r for i, r in enumerate(c.train) if i in picked)))
+    return FederatedDataset(dataset.name, tuple(clients), dataset.tests, dataset.duplicates, dataset.held_out)
 
 
 def pool(dataset: FederatedDataset) -> list[Record]:

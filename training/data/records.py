@@ -45,11 +45,14 @@ class ClientData:
         client_id: a stable id (``"0"``..``"7"`` for FedDPA, family names for the generated suite).
         task: the client's own task (its personalization test set).
         train: local training examples.
+        validation: the client's held-out examples (``hold_out`` data option): never trained on, read
+            once at the end of training to check whether its local adapter helps (``training.local_gate``).
     """
 
     client_id: str
     task: str
     train: tuple[Record, ...]
+    validation: tuple[Record, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.train:
