@@ -128,7 +128,7 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 def run_train(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic train``."""
     from models import load_base_model
-    from training.data import load_dataset
+    from training.data import DataError, load_dataset
     from training.simulation import SimConfig, run_federated
 
     options: dict[str, Any] = {}
@@ -157,7 +157,10 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise SystemExit("fedmosaic train: --out is required (or pass --print-config)")
-    dataset = load_dataset(args.data, **data_options)
+    try:
+        dataset = load_dataset(args.data, **data_options)
+    except DataError as exc:  # a bad data set or split: one line naming it, never a traceback
+        raise SystemExit(f"fedmosaic train: {exc}") from exc
     loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)
     sim = SimConfig(rounds=eff.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
                     client_timeout_s=args.timeout, keep_strategy=args.keep_strategy,

@@ -204,3 +204,9 @@ def test_train_cli_and_eval_cli(tmp_path: Path) -> None:
     assert (out / "eval" / "table.md").is_file()
     with pytest.raises(SystemExit):
         main(["train", "--method", "fedit", "--out", str(tmp_path / "x"), "--option", "novalue"])
+    with pytest.raises(SystemExit, match="unknown data set 'nope'"):
+        main(["train", "--method", "fedit", "--data", "nope", "--out", str(tmp_path / "x"), "--model", "tiny"])
+    with pytest.raises(SystemExit, match="too few to hold any out"):
+        main(["train", "--method", "feddpa-t", "--data", "generated", "--n-train", "1", "--families", "sorting",
+              "--out", str(tmp_path / "x"), "--model", "tiny", "--hold-out", "0.2"])
+    assert not (tmp_path / "x").exists()
