@@ -29,7 +29,6 @@ from training.metrics import score
 from training.runtime import Runtime
 
 METRIC = "rouge1"
-MAX_NEW_TOKENS = 64  # fedmosaic eval's default
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,14 @@ class GateResult:
 
 
 def check_local(rt: Runtime, examples: Sequence[Record], lambda_: float,
-                max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 8) -> GateResult:
+                max_new_tokens: int = GenerationConfig.max_new_tokens, batch_size: int = 8) -> GateResult:
     """Score ``examples`` with the global adapter alone and mixed with the local one at ``lambda_``.
 
     Args:
         rt: the runtime with the client's ``global`` and ``local`` adapters loaded.
         examples: the client's held-out examples (prompted with the run's template).
         lambda_: the local adapter's weight in the mix (FedDPA's lambda), in (0, 1].
-        max_new_tokens: greedy tokens per answer.
+        max_new_tokens: greedy tokens per answer (default: ``fedmosaic eval``'s, the generation default).
         batch_size: prompts per ``generate`` batch.
 
     Raises:
