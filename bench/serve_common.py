@@ -221,13 +221,21 @@ COUNTERS = {"fedmosaic_engine_prefill_tokens": "prefill_tokens_computed",
 
 async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
     """Per step kind (prefill, decode, mixed): the server's (step count, seconds) so far, from /metrics;
-    and under the names of ``COUNTERS`` its prompt-token counters as (value, 0)."""
+    under the names of ``COUNTERS`` its prompt-token counters as (value, 0); and under ``server_ttft`` the
+    count and sum of its own time-to-first-token histogram (submission to first token, inside the engine)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, list[float]] = {}
     for family in text_string_to_metric_families((await client.get("/metrics")).text):
         if family.name in COUNTERS:
             totals[COUNTERS[family.name]] = [sum(x.value for x in family.samples if x.name.endswith("_total")), 0.0]
+        if family.name == "fedmosaic_time_to_first_token_seconds":
+            cell = totals.setdefault("server_ttft", [0.0, 0.0])
+            for sample in family.samples:
+                slot = {"fedmosaic_time_to_first_token_seconds_count": 0,
+                        "fedmosaic_time_to_first_token_seconds_sum": 1}.get(sample.name)
+                if slot is not None:
+                    cell[slot] += sample.value
         if family.name != "fedmosaic_engine_step_seconds":
             continue
         for sample in family.samples:
@@ -240,12 +248,14 @@ async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float
 def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
                  wall: float) -> dict[str, object]:
     """Engine steps of the load phase per kind (how many, their mean, the share of the wall time) and the
-    prompt tokens computed and reused meanwhile."""
+    prompt tokens computed and reused meanwhile, and the mean time to first token the server measured."""
     out: dict[str, object] = {}
     for kind, (count, seconds) in sorted(after.items()):
         n, sec = count - before.get(kind, (0.0, 0.0))[0], seconds - before.get(kind, (0.0, 0.0))[1]
         if kind in COUNTERS.values():
             out[kind] = int(n)
+        elif kind == "server_ttft":
+            out["server_ttft_ms_mean"] = round(1e3 * sec / n, 1) if n else None
         elif n:
             out[kind] = {"steps": int(n), "mean_ms": round(1e3 * sec / n, 1),
                          "share_of_wall": round(sec / wall, 3) if wall > 0 else None}

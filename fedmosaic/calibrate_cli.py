@@ -12,7 +12,9 @@ that way: a client whose index was pooled otherwise (``embeddings.kind.json``; n
 rebuilt from its training instances, re-read from the run's data set as ``run.json`` records it and
 embedded with the final global adapter, then calibrated; ``--rebuild-index`` rebuilds it whatever its
 pooling. Each client's index is built from that client's own instances only. A client's gate (the check
-of its local adapter on held-out examples at the end of training) is kept.
+of its local adapter on held-out examples at the end of training, :mod:`training.local_gate`) is kept;
+``--gate`` checks every client's local adapter again on its held-out examples (a run trained with
+``--hold-out``, before the check existed or under another rule; ``--gate-alpha`` sets the sign test's level).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from routing.cache import EmbeddingIndex, index_pooling
 from routing.calibration import CALIBRATION_FILE, STATISTICS, Calibration, calibrate
 from routing.embedding import POOLINGS, Pooling, embed_prompts
 from training.data import load_run_dataset
+from training.local_gate import ALPHA, check_local
 from training.personalize import background_prompts, instance_prompts, write_index
 
 
@@ -55,6 +58,10 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
                         "client's)")
     p.add_argument("--rebuild-index", action="store_true",
                    help="re-embed every client's training instances even when its index is pooled as asked")
+    p.add_argument("--gate", action="store_true",
+                   help="check every client's local adapter again on its held-out examples (a run trained with "
+                        "--hold-out): its gain is 1 only if the mix at lambda answers them better (sign test)")
+    p.add_argument("--gate-alpha", type=float, default=ALPHA, help="the gate's sign-test level (default 0.05)")
     p.add_argument("--dtype", choices=settings.DTYPES, default=None)
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     return p
@@ -62,7 +69,8 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
 
 def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str = "mahalanobis", k: int = 5,
                   background_quantile: float | None = None, dtype: str | None = None, device: str | None = None,
-                  embedding: str | None = None, rebuild: bool = False) -> dict[str, Any]:
+                  embedding: str | None = None, rebuild: bool = False, gate: bool = False,
+                  alpha: float = ALPHA) -> dict[str, Any]:
     """Write ``embeddings.calibration.json`` for every client of ``run_dir`` that has an embedding index.
 
     Args:
@@ -76,12 +84,16 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
         device: where the model runs.
         embedding: ``last`` or ``mean``: rebuild every index pooled otherwise (None: keep each client's).
         rebuild: rebuild every index from the client's training instances.
+        gate: check each client's local adapter again on its held-out examples (``training.local_gate``).
+        alpha: the gate's sign-test level.
 
     Returns:
-        ``{client: {"own": o, "background": b, "path": file, "embedding": pooling, "rebuilt": bool, "gain": g}}``.
+        ``{client: {"own": o, "background": b, "path": file, "embedding": pooling, "rebuilt": bool, "gain": g}}``
+        (with ``gate``, also ``"gate"``: what the check measured).
 
     Raises:
-        ValueError: the run has no global adapter or no client with an embedding index.
+        ValueError: the run has no global adapter or no client with an embedding index; with ``gate``, the
+            run held no examples out, has no local weight, or a client has no local adapter.
         DataError: an index must be rebuilt but the run's data set cannot be read or lacks the client.
     """
     run = RunDir(Path(run_dir))
@@ -95,9 +107,11 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
     stored = {c: index_pooling(run.client_dir(c)) for c in clients}
     wanted: dict[str, Pooling] = {c: embedding or stored[c] for c in clients}  # type: ignore[misc]
     redo = {c for c in clients if rebuild or wanted[c] != stored[c]}
-    # the data set is read only when an index is re-embedded, before the model loads (a bad spec fails first)
-    data = {cd.client_id: cd for cd in load_run_dataset(cfg).clients} if redo else {}
-    lost = sorted(redo - set(data))
+    lambda_ = gate_weight(run, cfg, clients) if gate else 0.0
+    # the data set is read only when an index is re-embedded or a gate checked, before the model loads (a bad
+    # spec fails first)
+    data = {cd.client_id: cd for cd in load_run_dataset(cfg).clients} if redo or gate else {}
+    lost = sorted((set(clients) if gate else redo) - set(data))
     if lost:
         raise ValueError(f"the data set of {run.root} names no clients {lost}: their index cannot be rebuilt")
     loaded = load_base_model(model or cfg.get("model", "smollm2"), dtype=dtype, device=device)  # type: ignore[arg-type]
@@ -120,14 +134,39 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
             else np.load(run.embeddings(client), allow_pickle=False)
         cal = calibrate(vectors, backgrounds[pooling], statistic, k, background_quantile,  # type: ignore[arg-type]
                         background_id())
-        cal = kept_gate(cal, folder)
+        if gate:
+            load_adapter(adapted, run.local_adapter(client), "local", check_base=False, replace=True)
+            verdict = check_local(loaded, adapted, style, data[client].validation, lambda_, alpha)
+            cal = dataclasses.replace(cal, gain=verdict.gain, gate=verdict.asdict())
+        else:
+            cal = kept_gate(cal, folder)
         if client in redo:
             write_index(EmbeddingIndex(vectors, calibration=cal, pooling=pooling), folder)
         else:
             cal.save(folder)
         out[client] = {"own": cal.own, "background": cal.background, "path": str(folder / CALIBRATION_FILE),
                        "embedding": pooling, "rebuilt": client in redo, "gain": cal.gain}
+        if gate:
+            out[client]["gate"] = cal.gate
     return out
+
+
+def gate_weight(run: RunDir, cfg: dict[str, Any], clients: list[str]) -> float:
+    """The local weight ``--gate`` checks (``run.json``'s ``inference_weight``, capped at 1).
+
+    Raises:
+        ValueError: the run held no examples out, its local weight is 0, or a client has no local adapter.
+    """
+    if not (cfg.get("data_options") or {}).get("hold_out"):
+        raise ValueError(f"{run.root} was trained without held-out examples: --gate needs a run trained with "
+                         "`fedmosaic train --hold-out SHARE`")
+    weight = float(cfg.get("inference_weight") or 0.0)
+    if weight <= 0.0:
+        raise ValueError(f"{run.root} serves its clients' local adapters at weight {weight}: there is nothing to gate")
+    missing = [c for c in clients if not (run.local_adapter(c) / "adapter_config.json").is_file()]
+    if missing:
+        raise ValueError(f"{run.root} has no local adapter for clients {missing}: --gate checks local adapters")
+    return min(weight, 1.0)
 
 
 def kept_gate(cal: Calibration, folder: Path) -> Calibration:
@@ -147,9 +186,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic calibrate``: prints one JSON object (per client: references and file)."""
     if args.k < 1 or (args.background_quantile is not None and not 0.0 <= args.background_quantile <= 1.0):
         raise SystemExit("fedmosaic calibrate: --k must be >= 1 and --background-quantile in [0, 1]")
+    if not 0.0 < args.gate_alpha < 1.0:
+        raise SystemExit(f"fedmosaic calibrate: --gate-alpha must be in (0, 1), got {args.gate_alpha}")
     try:
         result = calibrate_run(args.run_dir, args.model, args.statistic, args.k, args.background_quantile,
-                               args.dtype, args.device, args.feddpa_embedding, args.rebuild_index)
+                               args.dtype, args.device, args.feddpa_embedding, args.rebuild_index, args.gate,
+                               args.gate_alpha)
     except ValueError as exc:  # DataError and AdapterError included
         raise SystemExit(f"fedmosaic calibrate: {exc}") from exc
     print(json.dumps(result, indent=2))

@@ -27,9 +27,9 @@ global adapter on) and fixes the estimator:
    The cosines' map is a ramp between ``o``, the held-out scores' lower quartile, and ``b`` (there the
    highest background score):
    ``a = lambda * clip((s - b) / (o - b), 0, 1)`` (README, "Instance-wise weighting").
-4. **Gate** ``lambda`` by the client's ``gain`` (format 3): 0 when the client's local adapter, mixed in,
-   answered its held-out examples no better than the global adapter alone at the end of training
-   (``training.local_gate``), 1 when it answered them better or without a check.
+4. **Gate** ``lambda`` by the client's ``gain`` (format 3): 0 unless the client's local adapter, mixed in,
+   answered its held-out examples better than the global adapter alone at the end of training, by a
+   higher mean and a sign test (``training.local_gate``); 1 when it did, or without a check.
 
 Only the client's own instances and public prompts enter a calibration, so it keeps the isolation of
 the index it sits beside (``embeddings.calibration.json``); a fingerprint of the instance vectors
@@ -91,10 +91,11 @@ class Calibration:
         own_scores: the held-out own scores, ascending, of the conformal map (``mahalanobis``; empty:
             the ramp between ``background`` and ``own``).
         own_quantile: the share ``q`` of own scores below the level that gets the full ``lambda``.
-        gain: the client's gate on ``lambda`` (0 or 1): 0 when its local adapter did no better than the
+        gain: the client's gate on ``lambda`` (0 or 1): 0 unless its local adapter did better than the
             global alone on its held-out examples at the end of training (``training.local_gate``), so
-            that the client is served the global adapter; 1 when it did better, or without a check.
-        gate: what the gate measured (validation scores per weight, examples, metric; empty: no check).
+            that the client is served the global adapter; 1 when it did, or without a check.
+        gate: what the gate measured (mean scores per weight, wins, losses, sign-test p, examples,
+            metric; empty: no check).
     """
 
     center: np.ndarray
@@ -145,16 +146,16 @@ class Calibration:
         unit_x = np.ascontiguousarray(self.centred(instances))
         return lambda queries: scores(self.centred(np.atleast_2d(queries)), unit_x, self.statistic, self.k)
 
-    def weight(self, score: float, lambda_: float) -> float:
+    def weight(self, score: float, lambda_: float, gated: bool = True) -> float:
         """The local weight ``a`` of a prompt with this ``score`` (module docstring, step 3).
 
         Conformal map (``own_scores`` set): 0 when ``score <= background``, else ``lambda * min(1, p /
         own_quantile)`` with ``p`` the share of own scores ``<= score``. Ramp: ``lambda * clip((score -
         background) / (own - background), 0, 1)``; when the client's own prompts score no higher than
         the background (nothing to separate), any score above the background gets the full ``lambda``.
-        Either is scaled by the client's ``gain``.
+        Either is scaled by the client's ``gain`` (``gated``; without it, the weight the scores alone give).
         """
-        lambda_ = lambda_ * self.gain
+        lambda_ = lambda_ * self.gain if gated else lambda_
         if self.own_scores:
             if score <= self.background:
                 return 0.0

@@ -180,7 +180,7 @@ class FedDPARouter:
             info holds ``weighting``, ``mode``, ``S``, ``S_requested``, ``mean_similarity``, ``lambda``,
             ``a``, ``variant`` and, when the index was smaller than S, a ``note``; a calibrated decision
             holds ``weighting``, ``statistic``, ``score``, ``own``, ``background``, ``lambda``, ``gain`` (the
-            client's gate on lambda), ``a``, ``variant``.
+            client's gate on lambda), ``a``, ``a_before_gate`` (the weight the scores alone give), ``variant``.
 
         Raises:
             RoutingError: a representation of the wrong width or with NaN/inf, or an index pooled
@@ -238,13 +238,13 @@ class FedDPARouter:
         if q.shape != (index.dim,) or not np.isfinite(q).all():
             raise RoutingError(f"representation must be a finite ({index.dim},) vector, got shape {q.shape}")
         score = index.calibrated_score(q)
-        a = cal.weight(score, self.lambda_)
+        a, ungated = cal.weight(score, self.lambda_), cal.weight(score, self.lambda_, gated=False)
         if self.clip:
-            a = min(max(a, 0.0), 1.0)
+            a, ungated = min(max(a, 0.0), 1.0), min(max(ungated, 0.0), 1.0)
         weights = torch.tensor([1.0 - a, a] if self.variant == "paper" else [a, 1.0 - a], dtype=torch.float64)
         info = {"weighting": "calibrated", "statistic": cal.statistic, "score": score, "own": cal.own,
                 "background": cal.background, "lambda": float(self.lambda_), "gain": cal.gain, "a": a,
-                "variant": self.variant}
+                "a_before_gate": ungated, "variant": self.variant}
         if self.embedding != "last":
             info["embedding"] = self.embedding
         return RoutingDecision((GLOBAL, local_name(client)), weights, info)

@@ -190,6 +190,8 @@ def gate_lines(run_dir: Path) -> list[str]:
         cal = Calibration.load(run.client_dir(client)) if run.embeddings(client).is_file() else None
         if cal is not None and cal.gate:
             g = cal.gate
+            test = (f", {g['wins']} better / {g['losses']} worse, sign test p = {g['p_value']:.3g}"
+                    if "wins" in g else "")
             lines.append(f"{client}: {g['metric']} global {g['global']:.2f}, mixed at {g['lambda']} {g['mixed']:.2f} "
-                         f"on {g['n']} held-out examples: {'kept' if cal.gain else 'global only'}")
+                         f"on {g['n']} held-out examples{test}: {'kept' if cal.gain else 'global only'}")
     return lines

@@ -50,7 +50,9 @@ def finish_client(method: Method, client: ClientAlgorithm, state: StateDict, ctx
         gate = None
         if ctx.data.validation and mixture_weight and "local" in ctx.private:
             ctx.runtime.set("local", ctx.private["local"])
-            gate = check_local(ctx.runtime, ctx.data.validation, min(float(mixture_weight), 1.0))
+            rt = ctx.runtime
+            gate = check_local(rt.loaded, rt.adapted, rt.train.prompt_style, ctx.data.validation,
+                               min(float(mixture_weight), 1.0))
         save_instance_index(ctx.runtime, ctx.data, index_folder, gate)
 
 

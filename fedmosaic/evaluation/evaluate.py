@@ -181,12 +181,16 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     _generate_into(cache, backend, items, "eval")
     grid: dict[str, dict[str, Scores]] = {}
     weights: dict[str, dict[str, list[float]]] = {}
+    before: dict[str, dict[str, list[float]]] = {}  # the calibrated weights without the clients' gates
     for key, task in jobs:
         rows = cache.rows("final", key, task, prompts[task], tag_of(described[targets[key]]))
         grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows], [r.output for r in tests[task]])
         info = described[targets[key]]
         if key in clients and info.get("mode") == "feddpa" and info.get("routed"):
             weights.setdefault(key, {})[task] = [float(r["weights"][f"{key}:local"]) for r in rows]
+            ungated = [(r.get("route") or {}).get("a_before_gate") for r in rows]
+            if all(isinstance(a, int | float) for a in ungated):
+                before.setdefault(key, {})[task] = [float(a) for a in ungated]  # type: ignore[arg-type]
     for key in targets:
         grid[key] = grid[canonical[key]]
     summary = _write_outputs(run, out, cfg, dataset, test_set, clients, grid, opts)
@@ -194,7 +198,9 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
     if weights:
-        summary["feddpa_weights"] = weight_outputs(out, weights, {c: dataset.task_of(c) for c in clients})
+        summary["feddpa_weights"] = weight_outputs(out, weights, {c: dataset.task_of(c) for c in clients},
+                                                   before if before.keys() == weights.keys() and before != weights
+                                                   else None)
     if opts.per_round:
         summary["per_round"] = _per_round(run, out, dataset, opts, backend, cache, render)
     (out / "results.json").write_text(json.dumps(summary, indent=2))

@@ -20,6 +20,7 @@ targets and weights).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,10 +52,14 @@ class StackBackend:
         max_new_tokens: generation budget per answer.
         num_beams: 1 decodes greedily on the engine; more uses HF beam search.
         batch_size: engine batch rows (or beam-search batch size).
+        run: the run served (its clients' index files identify routed targets' answers in the cache).
     """
 
-    def __init__(self, stack: ServingStack, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8) -> None:
+    def __init__(self, stack: ServingStack, max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 8,
+                 run: RunDir | None = None) -> None:
         self.stack = stack
+        self.run = run
+        self._digests: dict[str, str] = {}
         self.base_name = stack.base_name
         self.tokenizer = stack.loaded.tokenizer  # chat-template prompts, when the run trained with them
         self.max_new_tokens = max_new_tokens
@@ -75,7 +80,22 @@ class StackBackend:
                                "max_new_tokens": self.max_new_tokens}
         if routed:
             out["routing"] = dict(self.stack.info)
+            if plan.mode == "feddpa" and plan.client is not None and self.run is not None:
+                # a routed answer depends on the client's index and calibration (its gate too): answers
+                # cached before `fedmosaic calibrate` changed them are not reused
+                out["index"] = self._index_digest(plan.client)
         return out
+
+    def _index_digest(self, client: str) -> str:
+        """A digest of ``client``'s index files (``embeddings*`` in its folder), read once per backend."""
+        if client not in self._digests:
+            digest = hashlib.sha256()
+            assert self.run is not None
+            for path in sorted(self.run.client_dir(client).glob("embeddings*")):
+                if path.is_file():
+                    digest.update(path.name.encode() + b"\0" + path.read_bytes())
+            self._digests[client] = digest.hexdigest()[:16]
+        return self._digests[client]
 
     def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
         """Answer every item, one engine stream per target (greedy) or HF beam search; yields as done.
@@ -205,4 +225,4 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
     stack = build_stack(config)
     if routing == "instance" and stack.routing != "instance":
         raise EvalSetupError(f"instance-wise FedDPA weights were asked for but {run.root} gave no embedding index")
-    return StackBackend(stack, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size)
+    return StackBackend(stack, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size, run=run)

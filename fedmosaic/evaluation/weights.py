@@ -4,7 +4,9 @@ Each routed answer records the weight its client's local adapter got. Per task, 
 the *own* client (the one that trained on that task) and the *other* clients, so one sees whether ``a``
 is high on a client's own task and lower elsewhere. On tasks no client trained on (``fedmosaic eval
 --test``, paper 000 Table 14) every client is "other": those tasks are listed as ``unseen_tasks`` and
-the plot shows the other clients' boxes alone.
+the plot shows the other clients' boxes alone. When a client's gate (``training.local_gate``) closed,
+its served ``a`` is 0 whatever the prompt; the calibrated weights before the gates then get their own
+plot and statistics (``before_gate``), which show what the estimator separates.
 """
 
 from __future__ import annotations
@@ -41,21 +43,37 @@ def split_own_other(weights: WeightGrid, own: Mapping[str, str]) -> tuple[Split,
     return own_a, other_a
 
 
-def weight_outputs(out: Path, weights: WeightGrid, own: Mapping[str, str]) -> dict[str, object]:
+def weight_outputs(out: Path, weights: WeightGrid, own: Mapping[str, str],
+                   before_gate: WeightGrid | None = None) -> dict[str, object]:
     """Plot ``out/feddpa_weights.png`` and return the statistics for ``results.json``.
+
+    Args:
+        out: the evaluation folder.
+        weights: client -> task -> the served local weight of each answer.
+        own: client -> its own task.
+        before_gate: the same weights without the clients' gates (None: no gate changed any): plotted
+            in ``out/feddpa_weights_before_gate.png``.
 
     Returns:
         ``per_task_own_client`` and ``per_task_other_clients`` (task -> stats), ``own_client`` and
-        ``other_clients`` (stats over every task), ``unseen_tasks`` (no client trained on them) and
-        ``per_client`` (client -> task -> mean ``a``).
+        ``other_clients`` (stats over every task), ``unseen_tasks`` (no client trained on them),
+        ``per_client`` (client -> task -> mean ``a``) and, with ``before_gate``, ``before_gate``: the
+        same statistics of those weights.
     """
+    summary = _outputs(out / "feddpa_weights.png", weights, own, "FedDPA instance-wise weight per task")
+    if before_gate is not None:
+        summary["before_gate"] = _outputs(out / "feddpa_weights_before_gate.png", before_gate, own,
+                                          "FedDPA calibrated weight per task, before the clients' gates")
+    return summary
+
+
+def _outputs(path: Path, weights: WeightGrid, own: Mapping[str, str], title: str) -> dict[str, object]:
     own_a, other_a = split_own_other(weights, own)
     trained = set(own.values())
     unseen = [t for t in own_a if t not in trained]
-    title = "FedDPA instance-wise weight per task"
     if unseen and len(unseen) == len(own_a):
         title += " (tasks no client trained on)"
-    plots.plot_weights(own_a, out / "feddpa_weights.png", title=title, others=other_a)
+    plots.plot_weights(own_a, path, title=title, others=other_a)
     return {"per_task_own_client": {t: stats(v) for t, v in own_a.items()},
             "per_task_other_clients": {t: stats(v) for t, v in other_a.items()},
             "own_client": stats([a for v in own_a.values() for a in v]),

@@ -59,6 +59,13 @@ def test_calibrate_command_rebuilds_the_same_calibration(run: RunDir, capsys: py
     capsys.readouterr()
 
 
+def test_gate_needs_a_run_trained_with_held_out_examples(run: RunDir) -> None:
+    before = {c: (run.client_dir(c) / CALIBRATION_FILE).read_bytes() for c in run.clients()}
+    with pytest.raises(SystemExit, match=r"^fedmosaic calibrate: .* without held-out examples: --gate needs"):
+        main(["calibrate", str(run.root), "--gate"])
+    assert before == {c: (run.client_dir(c) / CALIBRATION_FILE).read_bytes() for c in run.clients()}  # untouched
+
+
 def test_calibrate_command_errors(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     (empty / "adapters" / "clients" / "a").mkdir(parents=True)

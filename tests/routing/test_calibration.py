@@ -274,7 +274,11 @@ def test_gain_scales_lambda_and_round_trips(tmp_path: Path, structured: dict[str
     assert on_weights.max() == 0.5  # the client's own prompts get lambda ...
     off_index = EmbeddingIndex(structured["own_train"], calibration=off)
     assert weights(router, off_index, own).tolist() == [0.0] * 10  # ... unless its gate closed
-    assert router.decide(own[0], off_index, client="a").info["gain"] == 0.0
+    closed = router.decide(own[0], off_index, client="a").info
+    assert closed["gain"] == 0.0 and closed["a"] == 0.0
+    # what the scores alone give is still reported: the gate, not the estimator, set a to 0
+    opened = router.decide(own[0], EmbeddingIndex(structured["own_train"], calibration=cal), client="a").info
+    assert closed["a_before_gate"] == opened["a"] == opened["a_before_gate"] > 0.0
     off.save(tmp_path)
     data = json.loads((tmp_path / CALIBRATION_FILE).read_text())
     assert data["format"] == 3 and data["gain"] == 0.0 and data["gate"] == gate

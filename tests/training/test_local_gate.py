@@ -14,8 +14,8 @@ from fedmosaic.cli import main
 from models import tiny_llama
 from routing.calibration import CALIBRATION_FILE, Calibration
 from training.data import PromptConfig, Record, generate_suite, prompt_texts
-from training.local_gate import check_local
-from training.metrics import score
+from training.local_gate import GateResult, check_local, verdict
+from training.metrics import example_scores, score
 from training.runtime import Runtime, preset
 
 TOKENS = 8
@@ -36,6 +36,10 @@ def rt() -> Runtime:
     return runtime
 
 
+def check(rt: Runtime, records: list[Record], lambda_: float, **kwargs: float) -> GateResult:
+    return check_local(rt.loaded, rt.adapted, rt.train.prompt_style, records, lambda_, **kwargs)  # type: ignore[arg-type]
+
+
 def answers(rt: Runtime, records: list[Record], a: float) -> list[str]:
     prompts = prompt_texts(records, rt.tokenizer, PromptConfig(rt.train.prompt_style))
     return generate(rt.adapted, rt.model, rt.tokenizer, prompts, ("global", "local"), [1.0 - a, a],
@@ -43,22 +47,55 @@ def answers(rt: Runtime, records: list[Record], a: float) -> list[str]:
 
 
 def test_the_gate_keeps_lambda_only_when_the_mix_answers_better(rt: Runtime) -> None:
-    asked = list(generate_suite(n_train=6, n_test=1, families=["sorting"]).clients[0].train)
+    asked = list(generate_suite(n_train=12, n_test=1, families=["sorting"]).clients[0].train)
     by_global, by_mix = answers(rt, asked, 0.0), answers(rt, asked, 0.5)
     assert by_global != by_mix and score(by_global, by_global).rouge1 > 0
     # the references are what the global adapter alone says: the mix can only lose
     said_by_global = [Record(r.instruction, out) for r, out in zip(asked, by_global, strict=True)]
-    closed = check_local(rt, said_by_global, 0.5, max_new_tokens=TOKENS)
-    assert closed.gain == 0.0 and closed.n == 6
+    closed = check(rt, said_by_global, 0.5, max_new_tokens=TOKENS)
+    assert closed.gain == 0.0 and closed.n == 12
     assert closed.global_score == pytest.approx(score(by_global, by_global).rouge1)
     assert closed.mixed_score == pytest.approx(score(by_mix, by_global).rouge1)
     assert closed.mixed_score < closed.global_score
     # the references are what the mix says: the local adapter helps
     said_by_mix = [Record(r.instruction, out) for r, out in zip(asked, by_mix, strict=True)]
-    kept = check_local(rt, said_by_mix, 0.5, max_new_tokens=TOKENS)
-    assert kept.gain == 1.0 and kept.mixed_score > kept.global_score
+    # the mix wins wherever the global's answer scores below 100 against it (a naive count)
+    wins = sum(example_scores(g, m)["rouge1"] < example_scores(m, m)["rouge1"]
+               for g, m in zip(by_global, by_mix, strict=True))
+    kept = check(rt, said_by_mix, 0.5, max_new_tokens=TOKENS)
+    assert (kept.wins, kept.losses) == (wins, 0) and kept.p_value == pytest.approx(0.5 ** wins)
+    assert wins >= 5 and kept.gain == 1.0 and kept.mixed_score > kept.global_score  # 5 of 5: p = 1/32 < 0.05
     assert kept.asdict() == {"metric": "rouge1", "lambda": 0.5, "global": kept.global_score,
-                             "mixed": kept.mixed_score, "n": 6, "gain": 1.0}
+                             "mixed": kept.mixed_score, "n": len(asked), "wins": wins, "losses": 0,
+                             "p_value": kept.p_value, "alpha": 0.05, "gain": 1.0}
+    # the same evidence at a stricter level than it can reach keeps the global alone
+    assert check(rt, said_by_mix, 0.5, max_new_tokens=TOKENS, alpha=0.5 ** (wins + 1)).gain == 0.0
+
+
+def test_the_verdict_needs_a_higher_mean_and_a_significant_sign_test() -> None:
+    # a few large wins, more small losses: the mean favours the mix, the examples do not (the fix_punct case)
+    few_big = verdict([0.0] * 3 + [50.0] * 27, [100.0] * 3 + [45.0] * 27, 0.5)
+    assert few_big.mixed_score > few_big.global_score and (few_big.wins, few_big.losses) == (3, 27)
+    assert few_big.gain == 0.0 and few_big.p_value > 0.99
+    # 20 better, 10 worse of 30: one-sided sign test p = P(Bin(30, 1/2) >= 20), by hand
+    from math import comb
+    p = sum(comb(30, k) for k in range(20, 31)) / 2 ** 30
+    close = verdict([50.0] * 30, [60.0] * 20 + [40.0] * 10, 0.5)
+    assert close.p_value == pytest.approx(p) and p < 0.05 and close.gain == 1.0
+    # 19 of 30 is not enough at 0.05
+    assert verdict([50.0] * 30, [60.0] * 19 + [40.0] * 11, 0.5).gain == 0.0
+    # many wins but a lower mean (one disaster): closed
+    assert verdict([50.0] * 30, [51.0] * 29 + [0.0], 0.5).gain == 0.0
+    # every answer tied: no evidence, p = 1
+    tied = verdict([30.0] * 4, [30.0] * 4, 0.5)
+    assert tied.gain == 0.0 and tied.p_value == 1.0 and (tied.wins, tied.losses) == (0, 0)
+    with pytest.raises(ValueError, match="aligned"):
+        verdict([1.0], [1.0, 2.0], 0.5)
+    with pytest.raises(ValueError, match="aligned"):
+        verdict([], [], 0.5)
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="level"):
+            verdict([1.0], [2.0], 0.5, alpha=bad)
 
 
 def test_a_tie_closes_the_gate_and_bad_arguments_are_refused(rt: Runtime) -> None:
@@ -66,15 +103,15 @@ def test_a_tie_closes_the_gate_and_bad_arguments_are_refused(rt: Runtime) -> Non
     try:
         rt.set("local", rt.get("global"))  # the mix is the global adapter: the same answers
         asked = list(generate_suite(n_train=3, n_test=1, families=["capitals"]).clients[0].train)
-        tie = check_local(rt, asked, 0.5, max_new_tokens=TOKENS)
+        tie = check(rt, asked, 0.5, max_new_tokens=TOKENS)
         assert tie.global_score == tie.mixed_score and tie.gain == 0.0  # no evidence that the local adapter helps
     finally:
         rt.set("local", local)
     with pytest.raises(ValueError, match="held-out"):
-        check_local(rt, [], 0.5)
+        check(rt, [], 0.5)
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match=r"\(0, 1\]"):
-            check_local(rt, asked, bad)
+            check(rt, asked, bad)
 
 
 def test_training_with_a_hold_out_stores_each_clients_gate(tmp_path: Path,
@@ -103,6 +140,17 @@ def test_training_with_a_hold_out_stores_each_clients_gate(tmp_path: Path,
     assert json.loads(capsys.readouterr().out)[first]["gain"] == 0.0
     again = Calibration.load(run.client_dir(first))
     assert again is not None and again.gain == 0.0 and again.gate["gain"] == 0.0
+    # `--gate` checks the local adapters again: the same held-out examples, the stored verdict restored
+    assert main(["calibrate", str(out), "--dtype", "float32", "--gate"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    for client in run.clients():
+        cal = Calibration.load(run.client_dir(client))
+        assert cal is not None and checked[client]["gate"] == cal.gate and cal.gate["n"] == 2
+        assert "p_value" in cal.gate and cal.gain == cal.gate["gain"]
+    assert checked[first]["gain"] == checked[first]["gate"]["gain"]
+    for bad, message in ((["--gate-alpha", "1.5"], "gate-alpha"),):
+        with pytest.raises(SystemExit, match=message):
+            main(["calibrate", str(out), "--gate", *bad])
     with pytest.raises(SystemExit, match="hold-out"):
         main(["train", "--method", "feddpa-t", "--data", "generated", "--out", str(tmp_path / "x"), "--model", "tiny",
               "--hold-out", "0.9"])

@@ -222,3 +222,48 @@ def test_each_target_decodes_in_its_own_stream(tmp_path: Path) -> None:
     for t in targets:  # the same answers as when the target is evaluated on its own
         alone = {item.i: pred.text for item, pred in backend.generate([it for it in mixed if it.target == t])}
         assert alone == {i: together[(t, i)] for i in range(len(prompts))}
+
+
+def test_a_closed_gate_serves_the_global_alone_and_the_weights_before_it_are_plotted(tmp_path: Path) -> None:
+    from fedmosaic.calibrate_cli import calibrate_run
+    from routing.calibration import CALIBRATION_FILE
+
+    run = build_run(tmp_path, embeddings=True, style="chat")
+    opts = EvalOptions(limit=2, max_new_tokens=2, dtype="float32", feddpa_weighting="fixed")
+    evaluate_run(run.root, opts)
+    folder = run.eval_dir / "predictions" / "final" / "sorting"
+    rows = {task: folder / f"{task}.jsonl" for task in ("sorting", "capitals")}
+    asked = [json.loads(line)["prompt"] for line in rows["sorting"].read_text().splitlines()]
+    tiny = tiny_llama()
+    model = inject(tiny.model)
+    load_adapter(model, run.global_adapter, "global", check_base=False)
+    for client, prompts in (("sorting", asked * 3), ("capitals", ["Capital of Chad?", "Capital of Peru?"])):
+        # sorting's index holds the evaluation's own prompts, so they score as its own instances
+        vectors = embed_prompts(tiny.model, model, tiny.tokenizer, prompts, ("global",))
+        EmbeddingIndex(vectors).save(run.client_dir(client))
+    calibrate_run(run.root, dtype="float32")
+    path = run.client_dir("sorting") / CALIBRATION_FILE
+    data = json.loads(path.read_text())
+    data["gain"], data["gate"] = 0.0, {"metric": "rouge1", "lambda": 0.5, "global": 40.0, "mixed": 30.0, "n": 3,
+                                       "gain": 0.0}
+    path.write_text(json.dumps(data))
+    calibrated = EvalOptions(limit=2, max_new_tokens=2, dtype="float32", feddpa_weighting="calibrated")
+    summary = evaluate_run(run.root, calibrated)
+    served, before = summary["feddpa_weights"], summary["feddpa_weights"]["before_gate"]
+    assert served["per_client"]["sorting"] == {"sorting": 0.0, "capitals": 0.0}  # its gate closed
+    assert before["per_client"]["capitals"] == served["per_client"]["capitals"]  # its gate is open
+    own = [json.loads(line)["route"] for line in rows["sorting"].read_text().splitlines()[-2:]]  # rows append
+    assert all(r["gain"] == 0.0 and r["a"] == 0.0 for r in own)
+    ungated = sum(r["a_before_gate"] for r in own) / len(own)
+    assert ungated > 0.0  # the estimator knows its own prompts
+    assert before["per_task_own_client"]["sorting"]["mean"] == pytest.approx(ungated)
+    assert (run.eval_dir / "feddpa_weights_before_gate.png").read_bytes()[:4] == b"\x89PNG"
+    # the gate reopened: the cached answers of the closed one are not reused, and no second plot
+    data["gain"] = 1.0
+    path.write_text(json.dumps(data))
+    (run.eval_dir / "feddpa_weights_before_gate.png").unlink()
+    again = evaluate_run(run.root, calibrated)
+    assert "before_gate" not in again["feddpa_weights"]
+    assert again["feddpa_weights"]["per_client"]["sorting"]["sorting"] == pytest.approx(
+        before["per_client"]["sorting"]["sorting"])
+    assert not (run.eval_dir / "feddpa_weights_before_gate.png").exists()
