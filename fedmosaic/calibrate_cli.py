@@ -61,7 +61,8 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--gate", action="store_true",
                    help="check every client's local adapter again on its held-out examples (a run trained with "
                         "--hold-out): its gain is 1 only if the mix at lambda answers them better (sign test)")
-    p.add_argument("--gate-alpha", type=float, default=ALPHA, help="the gate's sign-test level (default 0.05)")
+    p.add_argument("--gate-alpha", type=float, default=None,
+                   help=f"the gate's sign-test level, with --gate (default {ALPHA})")
     p.add_argument("--dtype", choices=settings.DTYPES, default=None)
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     return p
@@ -186,12 +187,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic calibrate``: prints one JSON object (per client: references and file)."""
     if args.k < 1 or (args.background_quantile is not None and not 0.0 <= args.background_quantile <= 1.0):
         raise SystemExit("fedmosaic calibrate: --k must be >= 1 and --background-quantile in [0, 1]")
-    if not 0.0 < args.gate_alpha < 1.0:
-        raise SystemExit(f"fedmosaic calibrate: --gate-alpha must be in (0, 1), got {args.gate_alpha}")
+    if args.gate_alpha is not None and not args.gate:  # a level without the check would be silently ignored
+        raise SystemExit("fedmosaic calibrate: --gate-alpha sets the level of --gate's sign test; add --gate")
+    alpha = ALPHA if args.gate_alpha is None else args.gate_alpha
+    if not 0.0 < alpha < 1.0:
+        raise SystemExit(f"fedmosaic calibrate: --gate-alpha must be in (0, 1), got {alpha}")
     try:
         result = calibrate_run(args.run_dir, args.model, args.statistic, args.k, args.background_quantile,
                                args.dtype, args.device, args.feddpa_embedding, args.rebuild_index, args.gate,
-                               args.gate_alpha)
+                               alpha)
     except ValueError as exc:  # DataError and AdapterError included
         raise SystemExit(f"fedmosaic calibrate: {exc}") from exc
     print(json.dumps(result, indent=2))

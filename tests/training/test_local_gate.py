@@ -148,9 +148,12 @@ def test_training_with_a_hold_out_stores_each_clients_gate(tmp_path: Path,
         assert cal is not None and checked[client]["gate"] == cal.gate and cal.gate["n"] == 2
         assert "p_value" in cal.gate and cal.gain == cal.gate["gain"]
     assert checked[first]["gain"] == checked[first]["gate"]["gain"]
-    for bad, message in ((["--gate-alpha", "1.5"], "gate-alpha"),):
+    before = {c: (run.client_dir(c) / "embeddings.calibration.json").read_bytes() for c in run.clients()}
+    for bad, message in ((["--gate", "--gate-alpha", "1.5"], "gate-alpha must be in"),
+                         (["--gate-alpha", "0.1"], "add --gate")):  # a level without the check: refused, not ignored
         with pytest.raises(SystemExit, match=message):
-            main(["calibrate", str(out), "--gate", *bad])
+            main(["calibrate", str(out), *bad])
+    assert before == {c: (run.client_dir(c) / "embeddings.calibration.json").read_bytes() for c in run.clients()}
     with pytest.raises(SystemExit, match="hold-out"):
         main(["train", "--method", "feddpa-t", "--data", "generated", "--out", str(tmp_path / "x"), "--model", "tiny",
               "--hold-out", "0.9"])
