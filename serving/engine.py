@@ -3,9 +3,10 @@
 Requests wait in a queue and take a KV slot (:mod:`serving.kv`) when one is free. Each step then
 prefills waiting prompts in chunks — one batched forward over every admitted request's next chunk,
 at most ``max_prefill_tokens`` tokens, so a long prompt never stalls running requests for more than
-a chunk (:mod:`serving.prefill`) — and runs one decode step over every running request, each row with
-its own adapter weights (the one contract, ARCHITECTURE.md), so one batch mixes clients. While prompts
-whose prefill has not started remain after a step's prefill (a burst beyond the token budget), up to
+a chunk (:mod:`serving.prefill`) — and decodes one token of every running request in that same
+forward (one read of the weights per step; apart on CUDA, whose decode steps are captured graphs), each
+row with its own adapter weights (the one contract, ARCHITECTURE.md), so one batch mixes clients.
+While prompts whose prefill has not started remain beyond a step's token budget (a burst), up to
 ``max_decode_skips`` steps in a row prefill without decoding, so a burst is answered before the running
 rows take their next token (vLLM's prefill-first order, bounded so decoding never starves). Forwards
 run on the fused Llama runner (CUDA graphs on CUDA) or the model's own HF forward (:mod:`serving.executor`).
@@ -54,10 +55,10 @@ from serving.kv import SlotKV
 from serving.lifecycle import EngineConfig
 from serving.logits import RowHistory
 from serving.model_lock import ModelLock
-from serving.prefill import PrefillSteps
+from serving.prefill import Pass, PrefillSteps
 from serving.prefix_cache import PrefixCache
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
-from serving.runner.inputs import DecodeRow, RowAdapters
+from serving.runner.inputs import RowAdapters
 from serving.sequence import Finished, Sequence, error_status, failed, result
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "StepReport"]
@@ -279,12 +280,15 @@ class Engine(PrefillSteps):
                 with torch.inference_mode():
                     self._expire(finished)
                     self._admit()
-                    tokens, rows = self._prefill(finished), 0
-                    if self._backlog() and self._skipped < self.config.max_decode_skips:
+                    first = self._plan([s for s in self._active if s.phase in ("route", "fill")],
+                                       self.config.max_prefill_tokens, reserve=True)
+                    decoding: list[Sequence] = []
+                    if self._backlog(first) and self._skipped < self.config.max_decode_skips:
                         self._skipped += 1
                     else:
                         self._skipped = 0
-                        rows = self._decode(finished)
+                        decoding = [s for s in self._active if s.phase == "decode" and s.output]
+                    tokens, rows = self._prefill(first, decoding, finished), len(decoding)
                 seconds = time.perf_counter() - started
             finally:
                 self.model_lock.release()
@@ -299,10 +303,12 @@ class Engine(PrefillSteps):
                 handle.finish(res)  # done callbacks (lease releases) run without the model lock
         return self.has_work()
 
-    def _backlog(self) -> bool:
-        # Prompts whose pass has not started (queued with a free slot, or admitted past the budget). A
-        # long prompt already being chunked does not count: the running rows keep decoding every step.
-        return (any(s.phase in ("route", "fill") and s.filled == 0 for s in self._active)
+    def _backlog(self, first: Pass) -> bool:
+        # Prompts whose pass will not have started after this step's ``first`` pass (queued with a free
+        # slot, or admitted past the budget). A long prompt already being chunked does not count: the
+        # running rows keep decoding every step.
+        taken = first.taken()
+        return (any(s.phase in ("route", "fill") and s.filled == 0 and id(s) not in taken for s in self._active)
                 or bool(self._waiting and self.kv.free_slots))
 
     def _end(self, seq: Sequence, res: GenerationResult, finished: Finished) -> None:
@@ -334,12 +340,8 @@ class Engine(PrefillSteps):
             self._active.append(seq)
             self.begin_prefill(seq)
 
-    def _decode(self, finished: Finished) -> int:
-        seqs = [s for s in self._active if s.phase == "decode" and s.output]
-        if not seqs:
-            return 0
-        rows = [DecodeRow(s.slot, s.next_token, s.position, s.adapters) for s in seqs]  # type: ignore[arg-type]
-        outs = self.executor.decode(rows)
+    def _decoded(self, seqs: list[Sequence], outs: list[RowOut | Exception], finished: Finished) -> None:
+        """Sample the next token of each decoded row in ``seqs`` (a row whose forward failed fails alone)."""
         ok: list[tuple[Sequence, RowOut]] = []
         for seq, out in zip(seqs, outs, strict=True):
             if isinstance(out, Exception):
@@ -349,7 +351,6 @@ class Engine(PrefillSteps):
                 if seq.amole is not None and out.counts is not None and seq.usage is not None:
                     seq.usage += out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
         self._sampled([s for s, _ in ok], [o.logits for _, o in ok], finished)
-        return len(seqs)
 
     def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None:
         histories = [RowHistory(s.ids, s.output, self.eos_ids) for s in seqs]

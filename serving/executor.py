@@ -3,6 +3,7 @@
 Each prefill chunk batch or decode step goes to the fused Llama runner when every row can run there
 (plain per-row adapter weights that fit its adapter slots), as a captured CUDA graph on CUDA, and to
 the model's own HF forward otherwise (AMoLE token routing, other architectures, too many adapters).
+A step that prefills and decodes runs both in one fused forward where it can (:meth:`Executor.mixed`).
 If a batched forward or the batched sampling raises, each row is run alone, so only the rows that
 fail alone get an error (issue 14: one request never stops the others). Errors that leave the device
 unusable (a CUDA fault) are not contained: they propagate and stop the engine.
@@ -39,6 +40,14 @@ class RowOut:
     counts: torch.Tensor | None = None
     chunk_logits: torch.Tensor | None = None
     state_sum: torch.Tensor | None = None
+
+
+def chunk_outs(out: StepOutput, n: int, counts: torch.Tensor | None = None) -> list[RowOut]:
+    """The first ``n`` rows of a prefill forward's output, each with its AMoLE ``counts`` (n, L, E) row."""
+    return [RowOut(out.logits[b], out.states[b] if out.states is not None else None,
+                   counts[b] if counts is not None else None,
+                   out.all_logits[b] if out.all_logits is not None else None,
+                   out.state_sums[b] if out.state_sums is not None else None) for b in range(n)]
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -97,11 +106,7 @@ class Executor:
     def _prefill(self, rows: Sequence[PrefillRow]) -> list[RowOut]:
         fast = self.fast is not None and self.fast.supports([r.adapters for r in rows])
         out = self.fast.prefill(rows) if fast else self.hf.prefill(rows)  # type: ignore[union-attr]
-        counts = self._counts(out, [r.adapters for r in rows], last_token=True)
-        return [RowOut(out.logits[b], out.states[b] if out.states is not None else None,
-                       counts[b] if counts is not None else None,
-                       out.all_logits[b] if out.all_logits is not None else None,
-                       out.state_sums[b] if out.state_sums is not None else None) for b in range(len(rows))]
+        return chunk_outs(out, len(rows), self._counts(out, [r.adapters for r in rows], last_token=True))
 
     def _decode(self, rows: Sequence[DecodeRow]) -> list[RowOut]:
         adapters = [r.adapters for r in rows]
@@ -140,6 +145,37 @@ class Executor:
     def decode(self, rows: Sequence[DecodeRow]) -> list[RowOut | Exception]:
         """One decode step over ``rows``; per row its output or the exception it raised alone."""
         return self._isolated(self._decode, rows)
+
+    def fuses(self, prefill: Sequence[PrefillRow], decode: Sequence[DecodeRow]) -> bool:
+        """True when :meth:`mixed` runs ``prefill`` and ``decode`` as one forward.
+
+        Only on the fused runner without CUDA graphs (a captured decode step beats an eager mixed
+        forward there), and only when the adapters of both halves fit its slots together.
+        """
+        return bool(prefill and decode and self.fast is not None and self.graphs is None
+                    and self.fast.supports([r.adapters for r in prefill] + [r.adapters for r in decode]))
+
+    def mixed(self, prefill: Sequence[PrefillRow], decode: Sequence[DecodeRow]
+              ) -> tuple[list[RowOut | Exception], list[RowOut | Exception]]:
+        """Prefill ``prefill``'s chunks and decode ``decode``'s rows; per row its output or its exception.
+
+        One forward when :meth:`fuses` says so (the step reads the weights once); if that forward
+        raises, or it cannot be fused, the two halves run as :meth:`prefill` and :meth:`decode`, each
+        keeping a failure to the rows that cause it alone.
+        """
+        if self.fuses(prefill, decode):
+            try:
+                out = self.fast.prefill(prefill, decode)  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - the halves run apart below, each row isolated
+                if is_fatal(exc):
+                    raise
+                logger.warning("a mixed forward of %d + %d rows failed (%s: %s); running its halves apart",
+                               len(prefill), len(decode), type(exc).__name__, exc)
+            else:
+                B = len(prefill)
+                firsts: list[RowOut | Exception] = [*chunk_outs(out, B)]
+                return firsts, [RowOut(out.logits[B + d]) for d in range(len(decode))]
+        return (self.prefill(prefill) if prefill else []), (self.decode(decode) if decode else [])
 
     @staticmethod
     def sample(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams],

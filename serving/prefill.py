@@ -5,21 +5,43 @@ alone). A routed request (FedDPA instance-wise weighting, paper 000 section 4.3)
 routing pass with its prefill weights; when the routing pass ends within the step, its exact pass
 with the routed weights runs in the same step, so its first token comes one step sooner: a routing
 pass that would end here is started only while the budget holds both passes (or the step has
-nothing else to do). Whether the step then decodes is the engine's choice (:meth:`Engine.step`).
+nothing else to do). Whether the step then decodes is the engine's choice (:meth:`Engine.step`, made
+on the planned first pass); when it does, the running rows' decode rides in the first pass's batched
+forward on the fused runner (:meth:`serving.executor.Executor.mixed`), so a mixed step reads the
+weights once per pass instead of once more for the decode. A row whose prefill ends in a step takes
+its next token in the following step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from serving.lifecycle import Lifecycle
-from serving.runner.inputs import PrefillRow
+from serving.runner.inputs import DecodeRow, PrefillRow
 
 if TYPE_CHECKING:
     import torch
 
     from serving.executor import Executor, RowOut
     from serving.sequence import Finished, Sequence
+
+
+@dataclass
+class Pass:
+    """One prefill pass of a step: its rows (batched plain rows, AMoLE rows alone) and its token budget."""
+
+    budget: int
+    left: int = field(init=False)  # budget not yet taken
+    plain: list[tuple[Sequence, PrefillRow]] = field(default_factory=list)
+    solo: list[tuple[Sequence, PrefillRow]] = field(default_factory=list)  # alone: their last token is the last column
+
+    def __post_init__(self) -> None:
+        self.left = self.budget
+
+    def taken(self) -> set[int]:
+        """ids of the sequences this pass prefills."""
+        return {id(seq) for seq, _ in self.plain + self.solo}
 
 
 class PrefillSteps(Lifecycle):
@@ -32,49 +54,64 @@ class PrefillSteps(Lifecycle):
 
     def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None: ...
 
-    def _prefill(self, finished: Finished) -> int:
-        """Prefill this step's chunks; returns the prompt tokens that went through."""
-        # Routed rows whose routing pass ends here start their exact (second) pass in the same step
-        # when the step's token budget allows: a FedDPA request's first token comes one step sooner.
-        budget = self.config.max_prefill_tokens
-        budget, rerouted = self._prefill_pass([s for s in self._active if s.phase in ("route", "fill")], budget,
-                                              finished, reserve=True)
-        if rerouted and budget > 0:
-            budget, _ = self._prefill_pass(rerouted, budget, finished)
-        return self.config.max_prefill_tokens - budget
+    def _decoded(self, seqs: list[Sequence], outs: list[RowOut | Exception], finished: Finished) -> None: ...
 
-    def _prefill_pass(self, seqs: list[Sequence], budget: int, finished: Finished,
-                      reserve: bool = False) -> tuple[int, list[Sequence]]:
-        """Prefill one chunk of each of ``seqs`` within ``budget`` tokens.
+    def _plan(self, seqs: list[Sequence], budget: int, reserve: bool = False) -> Pass:
+        """Choose one chunk of each of ``seqs`` within ``budget`` tokens (nothing runs yet).
 
         With ``reserve``, a routing pass that would end in this step is taken only while the budget
         also holds its exact pass (the whole prompt again), unless nothing was taken yet: a burst of
         routed prompts then gets its first tokens in arrival order, a step's worth at a time, instead
         of every routing pass first and every first token a step later.
-
-        Returns:
-            The budget left and the sequences this pass moved from ``route`` to ``fill``.
         """
-        plain: list[tuple[Sequence, PrefillRow]] = []
-        solo: list[tuple[Sequence, PrefillRow]] = []  # AMoLE rows: alone, so their last token is the last column
+        plan = Pass(budget)
         for seq in seqs:
-            if budget <= 0:
+            if plan.left <= 0:
                 break
-            n = min(len(seq.ids) - seq.filled, budget)
+            n = min(len(seq.ids) - seq.filled, plan.left)
             req = seq.handle.request
             both = seq.phase == "route" and req.exact_prefill and seq.filled + n == len(seq.ids)
-            if reserve and both and n + len(seq.ids) > budget and (plain or solo):
+            if reserve and both and n + len(seq.ids) > plan.left and (plan.plain or plan.solo):
                 continue
-            budget -= n
+            plan.left -= n
             final = seq.phase == "fill" or not req.exact_prefill  # this pass's KV and logits are kept
             row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
                              seq.adapters, want_state=seq.phase == "route",
                              all_logits=final and req.sampling.prompt_logprobs is not None)
-            (plain if seq.adapters.plain else solo).append((seq, row))
+            (plan.plain if seq.adapters.plain else plan.solo).append((seq, row))
+        return plan
+
+    def _prefill(self, first: Pass, decoding: list[Sequence], finished: Finished) -> int:
+        """Run this step's first pass (``decoding``'s rows in its forward), then the exact passes it unlocks.
+
+        Routed rows whose routing pass ends here start their exact (second) pass in the same step when
+        the step's token budget allows: a FedDPA request's first token comes one step sooner.
+
+        Returns:
+            The prompt tokens that went through.
+        """
+        rerouted = self._run(first, finished, decoding)
+        left = first.left
+        if rerouted and left > 0:
+            second = self._plan(rerouted, left)
+            self._run(second, finished, [])
+            left = second.left
+        return first.budget - left
+
+    def _run(self, plan: Pass, finished: Finished, decoding: list[Sequence]) -> list[Sequence]:
+        """Run ``plan``'s forwards, ``decoding``'s decode rows riding in its batched one.
+
+        Returns:
+            The sequences this pass moved from ``route`` to ``fill``.
+        """
         rerouted: list[Sequence] = []
-        groups = ([plain] if plain else []) + [[item] for item in solo]
+        rows = [DecodeRow(s.slot, s.next_token, s.position, s.adapters) for s in decoding]  # type: ignore[arg-type]
+        groups = ([plan.plain] if plan.plain else []) + [[item] for item in plan.solo]
         for group in groups:
-            outs = self.executor.prefill([row for _, row in group])
+            outs, decoded = self.executor.mixed([row for _, row in group], rows)
+            if rows:
+                self._decoded(decoding, decoded, finished)
+                decoding, rows = [], []
             done: list[tuple[Sequence, RowOut]] = []
             for (seq, row), out in zip(group, outs, strict=True):
                 if isinstance(out, Exception):
@@ -92,7 +129,9 @@ class PrefillSteps(Lifecycle):
                 except Exception as exc:  # noqa: BLE001 - a failing router fails its request only
                     self._fail(seq, exc, finished)
             self._first_tokens(done, finished)
-        return budget, rerouted
+        if rows:  # nothing to prefill: a decode step
+            self._decoded(decoding, self.executor.decode(rows), finished)
+        return rerouted
 
     def _first_tokens(self, done: list[tuple[Sequence, RowOut]], finished: Finished) -> None:
         if not done:

@@ -242,43 +242,58 @@ class LlamaRunner:
         with self.autocast():
             return StepOutput(logits=self.decode_tensors(ids, pos, slots, lora))
 
-    def prefill(self, rows: Sequence[PrefillRow]) -> StepOutput:
+    def prefill(self, rows: Sequence[PrefillRow], decode: Sequence[DecodeRow] = ()) -> StepOutput:
         """Every row's chunk packed into one (N,) token batch; logits and states at each last token.
 
         The projections run over the N real tokens only (rows of different lengths, e.g. a routing
         pass after a reused prefix beside a full exact pass, pad nothing there); the attention reads
-        them as a right-padded (B, T) batch.
+        them as a right-padded (B, T) batch. ``decode`` rows ride in the same forward (one token each
+        after the chunks, attending over their own slots as in :meth:`decode`): a step that prefills and
+        decodes reads the weights once, not twice (vLLM's mixed batches). Their logits follow the B
+        rows' in ``logits`` (B + D, V); states, chunk logits and state sums cover the B rows only.
         """
         dev, kv = self.kv.device, self.kv
         lens = [len(r.tokens) for r in rows]
-        B, T, N = len(rows), max(lens), sum(lens)
-        kv.ensure(max(r.end for r in rows))
+        B, T, N, D = len(rows), max(lens), sum(lens), len(decode)
+        kv.ensure(max([r.end for r in rows] + [d.position + 1 for d in decode]))
         ids, pos, wslot, padded = [], [], [], []
         for b, r in enumerate(rows):
             ids += list(r.tokens)
             pos += list(range(r.start, r.end))
             wslot += [r.slot] * len(r.tokens)
             padded += range(b * T, b * T + len(r.tokens))
+        ids += [d.token for d in decode]
+        pos += [d.position for d in decode]
+        wslot += [d.slot for d in decode]
         slots = torch.tensor([r.slot for r in rows], device=dev)
         starts = torch.tensor([r.start for r in rows], device=dev)
         lengths = torch.tensor([r.end for r in rows], device=dev)
-        lora = self.expand(self.slot_weights([r.adapters for r in rows]), repeat=lens)
+        lora = self.expand(self.slot_weights([r.adapters for r in rows] + [d.adapters for d in decode]),
+                           repeat=lens + [1] * D)
         where = None if N == B * T else torch.tensor(padded, device=dev)  # (N,) each token's (B, T) cell
+        dslots = torch.tensor([d.slot for d in decode], device=dev)
+        dlengths = torch.tensor([d.position + 1 for d in decode], device=dev)
 
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # q: (N, Hq, D)
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # q: (N + D, Hq, D)
+            q, qd = q[:N], q[N:]
             if where is not None:
                 q = q.new_zeros(B * T, self.hq, self.head_dim).index_copy_(0, where, q)
             out = kernels.prefill_attention(q.view(B, T, self.hq, self.head_dim), kv.k[i], kv.v[i], slots, starts,
                                             lengths, self.scale).reshape(B * T, self.hq, self.head_dim)
-            return out if where is None else out.index_select(0, where)
+            out = out if where is None else out.index_select(0, where)
+            if not D:
+                return out
+            return torch.cat([out, kernels.decode_attention(qd, kv.k[i], kv.v[i], dslots, dlengths, self.scale)])
 
         ends = torch.tensor(lens, device=dev).cumsum(0)  # (B,) one past each row's last token
+        last = torch.cat([ends - 1, torch.arange(N, N + D, device=dev)])  # (B + D,) the tokens with logits
         position = torch.tensor(pos, device=dev)
         every: list[torch.Tensor | None] | None = None
         with self.autocast():
             x, residual = self.forward_tokens(torch.tensor(ids, device=dev), position,
                                               torch.tensor(wslot, device=dev), position, attend, lora)
-            logits, states = self.head(x.index_select(0, ends - 1), residual.index_select(0, ends - 1))
+            logits, states = self.head(x.index_select(0, last), residual.index_select(0, last))
+            x, residual, states = x[:N], residual[:N], states[:B]
             if any(r.all_logits for r in rows):
                 every = []
                 first = 0  # host offsets: no device sync per row

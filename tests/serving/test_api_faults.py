@@ -94,10 +94,10 @@ def test_the_server_process_exits_70_when_its_engine_dies(tmp_path: Path) -> Non
         from serving.engine import Engine
         from serving.settings import ServeSettings
 
-        def broken_decode(self, finished):
+        def broken_admit(self):
             raise MemoryError("simulated device out of memory")
 
-        Engine._decode = broken_decode  # the engine thread dies at its first step
+        Engine._admit = broken_admit  # the engine thread dies at its first step
         uvicorn.run(create_app(ServeSettings(model="tiny")), host="127.0.0.1", port={port}, log_level="warning")
     """))
     env = {**os.environ, "PYTHONPATH": str(REPO)}

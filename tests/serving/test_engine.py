@@ -114,8 +114,9 @@ def test_step_observers_see_each_forward_and_cannot_stop_the_engine(engine: Engi
     assert all(h.result().finish_reason == "length" for h in handles)
     prompt = sum(h.result().prompt_tokens for h in handles)
     assert sum(r.prefill_tokens for r in seen) == prompt
-    assert [r.kind for r in seen] == ["mixed", "decode"]  # prefill + first decode, then the last token
-    assert [r.decode_rows for r in seen] == [2, 2] and all(r.seconds > 0 for r in seen)
+    # the prefill gives the first tokens; a row whose prefill ended takes its next token in the next step
+    assert [r.kind for r in seen] == ["prefill", "decode", "decode"]
+    assert [r.decode_rows for r in seen] == [0, 2, 2] and all(r.seconds > 0 for r in seen)
 
 
 def test_stop_string_is_trimmed(engine: Engine) -> None:

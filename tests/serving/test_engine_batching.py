@@ -262,12 +262,12 @@ def test_a_burst_is_prefilled_before_the_running_rows_decode_within_the_skip_bou
     adapted = adapted_with(tiny)
     first = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=budget, max_decode_skips=2))
     made, out_first = _burst(first)
-    # The running row has 2 tokens (its prefill step also decoded). The first burst step leaves a prompt
+    # The running row has its first token (its prefill step). The first burst step leaves a prompt
     # unstarted, so it does not decode; the second prefills the rest and decodes.
-    assert made[:2] == [2, 3]
+    assert made[:2] == [1, 2]
     every = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=budget, max_decode_skips=0))
     made0, out_every = _burst(every)
-    assert made0[:2] == [3, 4]  # without skips the running row decodes every step
+    assert made0[:2] == [2, 3]  # without skips the running row decodes every step
     assert out_first == out_every  # the order of steps never changes a greedy answer
 
 
@@ -285,7 +285,7 @@ def test_decoding_skips_at_most_max_decode_skips_steps_in_a_row(tiny: LoadedMode
         engine.step()
         made.append(len(seq.output))
     # One burst prompt per step: two steps without decoding, then one that decodes, and so on.
-    assert made[:6] == [2, 2, 3, 3, 3, 4]
+    assert made[:6] == [1, 1, 2, 2, 2, 3]
     running.cancel()
     while engine.step():
         pass
