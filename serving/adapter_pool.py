@@ -17,8 +17,11 @@ A training run directory (:mod:`adapters.rundir`) registers ``global`` and ``<cl
 client (:mod:`serving.pool_run`), and records each client's embedding files for FedDPA routing (paper
 000 section 4.3) without loading them; local adapters beyond the free slots are only registered
 (:meth:`AdapterPool.register`, loaded on first use like evicted ones), so a run with 1,000 clients
-neither reads 1,000 adapters at start-up nor holds more than ``max_loras``. All state changes happen
-under the engine's model lock, and every read-only view (:mod:`serving.pool_views`) reads under it too.
+neither reads 1,000 adapters at start-up nor holds more than ``max_loras``. The pool's bookkeeping has a
+lock of its own: leasing adapters already in the model and every read-only view (:mod:`serving.pool_views`)
+take only that one, so a request never waits for the engine's step in flight (it did, once to resolve its
+target and once more to lease, a step each under load). Whatever changes the model's adapters (a load,
+a reload, an eviction, dropping a released version) holds the engine's model lock first, then that one.
 
 A FedAMoLE model (an ``adapters/amole`` folder, or a run directory holding one; paper 002) is one
 entry too, of kind ``amole`` (:mod:`serving.amole_router`): it takes one slot, versions and leases
@@ -30,8 +33,8 @@ that client's assignment only), which the request carries to the engine.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from adapters import AdaptedModel, AdapterError, load_adapter
@@ -48,7 +51,7 @@ from serving.errors import (
 )
 from serving.model_lock import ModelLock
 from serving.pool_run import ClientFiles, RunInfo, register_run
-from serving.pool_views import PoolViews
+from serving.pool_views import AdapterInfo, Entry, PoolViews
 
 __all__ = ["AdapterInfo", "AdapterPool", "ClientFiles", "Lease", "RunInfo"]
 
@@ -59,32 +62,6 @@ def _check_name(name: str) -> None:
     """Refuse a name that is not a plain adapter name (AdapterLoadFailed)."""
     if not _NAME.match(name) or name.endswith(":"):
         raise AdapterLoadFailed(f"invalid adapter name {name!r}: use letters, digits, '_', '-', '.', ':'")
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """A snapshot of one registered adapter (for ``/v1/models`` and metrics)."""
-
-    name: str
-    version: int
-    path: Path
-    pinned: bool
-    loaded: bool
-    leases: int
-    kind: str = "lora"
-    clients: tuple[str, ...] = ()
-
-
-@dataclass(eq=False)
-class _Entry:
-    name: str
-    path: Path
-    pinned: bool
-    version: int = 0
-    internal: str | None = None  # None while evicted
-    last_used: int = 0
-    kind: str = "lora"  # or "amole"
-    clients: tuple[str, ...] = ()  # AMoLE: the clients it serves
 
 
 class Lease:
@@ -131,8 +108,9 @@ class AdapterPool(PoolViews):
         self.root = root.resolve() if root is not None else None
         self.max_loras = max_loras
         self.lock = model_lock if model_lock is not None else ModelLock()
+        self.state = threading.RLock()  # the dictionaries below; taken after ``lock`` when both are
         self.check_base = check_base
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._leases: dict[str, int] = {}  # internal name -> requests holding it
         self._retired: set[str] = set()  # replaced or unloaded versions still leased
         self._versions: dict[str, int] = {}  # never reset, so a name's versions never repeat
@@ -179,10 +157,10 @@ class AdapterPool(PoolViews):
             clients = client_names(amole) if amole is not None else ()
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
-        with self.lock:
+        with self.lock, self.state:
             old = self._registered(name, replace)
             self._check_names(name, clients)
-            entry = _Entry(name=name, path=amole or folder, pinned=pinned if old is None else (pinned or old.pinned),
+            entry = Entry(name=name, path=amole or folder, pinned=pinned if old is None else (pinned or old.pinned),
                            kind="amole" if amole is not None else "lora", clients=clients)
             self._activate(entry, exclude=(name,), spare=int(old is not None and old.internal is not None))
             if old is not None:
@@ -208,17 +186,17 @@ class AdapterPool(PoolViews):
         missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
         if missing:
             raise AdapterLoadFailed(f"adapter folder {path} has no {' or '.join(missing)}")
-        with self.lock:
+        with self.lock, self.state:
             old = self._registered(name, replace)
             self._check_names(name, ())
-            entry = _Entry(name=name, path=folder, pinned=pinned if old is None else (pinned or old.pinned))
+            entry = Entry(name=name, path=folder, pinned=pinned if old is None else (pinned or old.pinned))
             if old is not None:
                 self._retire(old)
                 self._forget_clients(old)
             self._entries[name] = entry
             return self._info(entry)
 
-    def _registered(self, name: str, replace: bool) -> _Entry | None:
+    def _registered(self, name: str, replace: bool) -> Entry | None:
         """The entry registered as ``name`` (None if none); AdapterExists unless ``replace``."""
         old = self._entries.get(name)
         if old is not None and not replace:
@@ -235,7 +213,7 @@ class AdapterPool(PoolViews):
                 raise AdapterExists(f"AMoLE client {client!r} of {name!r} clashes with the served "
                                     f"{'AMoLE model ' + repr(owner) if owner != name else 'adapter'}")
 
-    def _forget_clients(self, entry: _Entry) -> None:
+    def _forget_clients(self, entry: Entry) -> None:
         for client in entry.clients:
             if self._amole_clients.get(client) == entry.name:
                 del self._amole_clients[client]
@@ -247,7 +225,7 @@ class AdapterPool(PoolViews):
             AdapterNotFound: ``name`` is not registered (or is an AMoLE client, not a model).
             AdapterPinned: ``name`` is pinned and ``force`` is False.
         """
-        with self.lock:
+        with self.lock, self.state:
             if name in self._amole_clients:
                 raise AdapterNotFound(f"{name!r} is a client of the AMoLE model {self._amole_clients[name]!r}; "
                                       "unload that model")
@@ -288,51 +266,69 @@ class AdapterPool(PoolViews):
             NoFreeSlot: an evicted adapter cannot be reloaded because nothing can be evicted.
         """
         wanted = tuple(names)
-        with self.lock:
-            missing = [n for n in wanted if n not in self._amole_clients
-                       and (n not in self._entries or self._entries[n].kind != "lora")]
-            if missing:
-                raise AdapterNotFound(f"adapters {missing} are not loaded")
-            routed = [n for n in wanted if n in self._amole_clients]
-            if routed and len(wanted) > 1:
-                raise InvalidRequest(f"the AMoLE client {routed[0]!r} routes every token itself; request it alone",
-                                     param="model")
-            owners = tuple(self._amole_clients.get(n, n) for n in wanted)
-            plain, keys, route = [], [], None
-            for name, owner in zip(wanted, owners, strict=True):
-                entry = self._entries[owner]
-                if entry.internal is None:
-                    self._activate(entry, exclude=owners)
-                self._tick += 1
-                entry.last_used = self._tick
-                assert entry.internal is not None
-                keys.append(entry.internal)
-                if entry.kind == "amole":
-                    route = self.amole.route(entry.internal, name)
-                else:
-                    plain.append(entry.internal)
-            for key in keys:
-                self._leases[key] = self._leases.get(key, 0) + 1
-            return Lease(self, tuple(plain), tuple(keys), route)
+        with self.state:  # versions already in the model: no wait for the engine's step
+            lease = self._lease(wanted, activate=False)
+        if lease is not None:
+            return lease
+        with self.lock, self.state:  # an evicted or registered-only adapter is loaded into the model first
+            lease = self._lease(wanted, activate=True)
+            assert lease is not None
+            return lease
+
+    def _lease(self, wanted: tuple[str, ...], activate: bool) -> Lease | None:
+        """Lease ``wanted`` (see :meth:`acquire`); None when one must be loaded first and ``activate`` is False."""
+        missing = [n for n in wanted if n not in self._amole_clients
+                   and (n not in self._entries or self._entries[n].kind != "lora")]
+        if missing:
+            raise AdapterNotFound(f"adapters {missing} are not loaded")
+        routed = [n for n in wanted if n in self._amole_clients]
+        if routed and len(wanted) > 1:
+            raise InvalidRequest(f"the AMoLE client {routed[0]!r} routes every token itself; request it alone",
+                                 param="model")
+        owners = tuple(self._amole_clients.get(n, n) for n in wanted)
+        if not activate and any(self._entries[o].internal is None for o in owners):
+            return None
+        plain, keys, route = [], [], None
+        for name, owner in zip(wanted, owners, strict=True):
+            entry = self._entries[owner]
+            if entry.internal is None:
+                self._activate(entry, exclude=owners)
+            self._tick += 1
+            entry.last_used = self._tick
+            assert entry.internal is not None
+            keys.append(entry.internal)
+            if entry.kind == "amole":
+                route = self.amole.route(entry.internal, name)
+            else:
+                plain.append(entry.internal)
+        for key in keys:
+            self._leases[key] = self._leases.get(key, 0) + 1
+        return Lease(self, tuple(plain), tuple(keys), route)
 
     def _release(self, internal: tuple[str, ...]) -> None:
-        with self.lock:
+        with self.state:
+            done = []
             for key in internal:
                 self._leases[key] -= 1
                 if self._leases[key] == 0:
                     del self._leases[key]
-                    if key in self._retired:
-                        self._retired.discard(key)
-                        self._drop(key)
+                    done.append(key)
+            if not any(key in self._retired for key in done):
+                return
+        with self.lock, self.state:  # a replaced version leaves the model: the model lock first
+            for key in done:
+                if key in self._retired and not self._leases.get(key):
+                    self._retired.discard(key)
+                    self._drop(key)
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _info(self, entry: _Entry) -> AdapterInfo:
+    def _info(self, entry: Entry) -> AdapterInfo:
         leases = self._leases.get(entry.internal, 0) if entry.internal else 0
         return AdapterInfo(entry.name, entry.version, entry.path, entry.pinned, entry.internal is not None, leases,
                            entry.kind, entry.clients)
 
-    def _activate(self, entry: _Entry, exclude: tuple[str, ...], spare: int = 0) -> None:
+    def _activate(self, entry: Entry, exclude: tuple[str, ...], spare: int = 0) -> None:
         """Load ``entry``'s folder into the model under a fresh version, evicting if full.
 
         ``spare`` counts loaded versions about to be retired (a reload replaces its old version).
@@ -366,7 +362,7 @@ class AdapterPool(PoolViews):
         self._drop(victim.internal)
         victim.internal = None
 
-    def _retire(self, entry: _Entry) -> None:
+    def _retire(self, entry: Entry) -> None:
         if entry.internal is None:
             return
         if self._leases.get(entry.internal, 0) > 0:

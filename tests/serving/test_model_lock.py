@@ -1,11 +1,18 @@
-"""The model lock hands itself to waiting threads before the engine's next step (serving.model_lock)."""
+"""The model lock hands itself to waiting threads before the engine's next step (serving.model_lock), and a
+request leased while a step runs is admitted by the next one (serving.stack)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
+from models import tiny_llama
 from serving.model_lock import ModelLock
+from serving.sampling import SamplingParams
+from serving.stack import Job, StackConfig, Submitted, build_stack
+from tests.serving.helpers import write_adapter
 
 
 def _wait_for(predicate, limit: float = 10.0) -> None:
@@ -58,3 +65,39 @@ def test_a_timed_out_acquire_is_not_counted_as_waiting() -> None:
     t.join(10)
     assert result == [False] and lock.waiting == 0
     lock.release()
+
+
+def test_a_request_for_loaded_adapters_is_queued_while_a_step_runs(tmp_path: Path) -> None:
+    """Resolving a target, leasing adapters already in the model and the pool's views never wait for the
+    engine's step in flight (they used to, a step each under load); loading an adapter does."""
+    run = tmp_path / "run"
+    tiny = tiny_llama()
+    write_adapter(tiny, run / "adapters" / "global", seed=1)
+    for client in ("0", "1"):
+        write_adapter(tiny, run / "adapters" / "clients" / client / "local", seed=2 + int(client))
+    (run / "run.json").write_text(json.dumps({"method": "feddpa-t", "model": "tiny", "inference_weight": 0.25}))
+    stack = build_stack(StackConfig(model="tiny", run_dir=run, feddpa_routing="fixed", max_loras=2))
+    lock, engine, pool = stack.engine.model_lock, stack.engine, stack.pool
+    sampling = SamplingParams(max_tokens=2, temperature=0)
+    first = Job(target="global", prompt="Sort: pear, apple", sampling=sampling)
+    assert {i.name: i.loaded for i in pool.info()} == {"global": True, "0:local": True, "1:local": False}
+    submitted: list[Submitted] = []
+    lock.acquire_after_others()  # a step in flight
+    try:
+        client = threading.Thread(target=lambda: submitted.append(stack.submit(first)))
+        client.start()
+        client.join(10)
+        assert not client.is_alive() and engine.stats().waiting == 1  # queued during the step
+        assert "1" in stack.models() and pool.loaded_count() == 2 and pool.info("global")[0].leases == 1
+        cold = threading.Thread(target=lambda: submitted.append(stack.submit(Job(target="1", prompt="Hi",
+                                                                                 sampling=sampling))))
+        cold.start()
+        _wait_for(lambda: lock.waiting == 1)  # loading 1:local (evicting 0:local) changes the model: it waits
+
+        assert engine.stats().waiting == 1
+    finally:
+        lock.release()
+    cold.join(10)
+    while engine.step():
+        pass
+    assert [s.handle.result().completion_tokens for s in submitted] == [2, 2]
