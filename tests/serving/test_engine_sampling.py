@@ -143,3 +143,18 @@ def test_token_ids_beyond_the_vocabulary_are_refused(engine: Engine) -> None:
 
     with pytest.raises(InvalidRequest, match="vocabulary"):
         engine.submit(request(SamplingParams(logit_bias=((10**6, 1.0),))))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("pick", [[0, 1, 2, 3, 4], [1, 3, 5], [2], [0, 1, 3], [4, 2, 0]])
+def test_sampled_rows_are_batched_in_one_copy(pick: list[int], transposed: bool) -> None:
+    """A step's logits rows are sampled as one contiguous (N, V) batch equal to ``torch.stack`` of them,
+    also when they are rows of a transposed (head-major) output, unevenly spaced, or of other tensors."""
+    from serving.executor import stacked
+
+    out = torch.randn(11, 6).t() if transposed else torch.randn(6, 11)  # (6, 11)
+    rows = [out[b] for b in pick]
+    batch = stacked(rows)
+    assert batch.is_contiguous() and torch.equal(batch, torch.stack(rows))
+    other = [torch.randn(11), *rows[1:]]
+    assert torch.equal(stacked(other), torch.stack(other))
