@@ -18,7 +18,9 @@ drives it with httpx:
    first requests on) the probe to
    ``hot``; meanwhile ``hot`` is reloaded every ``--reload-every`` s
    through ``POST /v1/load_lora_adapter`` (``load_inplace``: a new version), alternately from the folders
-   of versions B and A.
+   of versions B and A. With ``--max-tokens-range-ratio r`` each request's ``max_tokens`` is drawn from
+   ``max_tokens x [1 - r, 1 + r]`` (seeded per client): with equal lengths the clients admitted in one step
+   finish in one step and come back as a herd, a synchronisation real traffic does not have.
 
 Wrong versions: the pool leases a request's adapter versions when it is submitted, which happens
 between sending the request and receiving the response headers. For each probe, the versions that
@@ -45,6 +47,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -270,6 +273,9 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
         stop = start + a.duration
 
         async def user(u: int) -> None:
+            lengths = random.Random(u)  # each client's own seeded draw: the same lengths run to run
+            low = max(1, round(a.max_tokens * (1 - a.max_tokens_range_ratio)))
+            high = max(low, round(a.max_tokens * (1 + a.max_tokens_range_ratio)))
             await asyncio.sleep(a.ramp * u / max(1, a.clients))
             n = 0
             while time.perf_counter() - t0 < stop:
@@ -279,7 +285,7 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
                 else:
                     k = u + n
                     replies.append(await stream(client, t0, targets[k % len(targets)], questions(1, next(asked))[0],
-                                                a.max_tokens))
+                                                lengths.randint(low, high)))
 
         async def reloader() -> None:
             i = 0
@@ -371,11 +377,16 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=64, help="the server's KV slots (fedmosaic serve's option)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the load's requests")
+    p.add_argument("--max-tokens-range-ratio", type=float, default=0.0,
+                   help="each load request's max_tokens drawn uniformly from max_tokens x [1 - r, 1 + r] "
+                        "(vLLM's --random-range-ratio); 0: all equal, so clients admitted together finish together")
     p.add_argument("--probe-tokens", type=int, default=12, help="max_tokens of the version probes")
     p.add_argument("--probe-every", type=int, default=4, help="every k-th request of a client is a probe")
     p.add_argument("--reload-every", type=float, default=2.0, help="seconds between reloads of the hot adapter")
     p.add_argument("--idle-requests", type=int, default=8)
     args = p.parse_args()
+    if not 0 <= args.max_tokens_range_ratio < 1:
+        p.error(f"--max-tokens-range-ratio must be in [0, 1), got {args.max_tokens_range_ratio}")
     with tempfile.TemporaryDirectory() as tmp:
         run, folders, texts, probe, dtype = prepare(args, Path(tmp))
         with server(run, args, Path(tmp) / "server.log") as url:
@@ -384,7 +395,8 @@ def main() -> None:
     print_json({"model": args.model, "dtype": dtype,
                 "clients": args.clients, "duration_s": args.duration, "ramp_s": args.ramp,
                 "server_max_batch_size": args.max_batch_size,
-                "max_tokens": args.max_tokens, "run_clients": args.run_clients, "reload_every_s": args.reload_every,
+                "max_tokens": args.max_tokens, "max_tokens_range_ratio": args.max_tokens_range_ratio,
+                "run_clients": args.run_clients, "reload_every_s": args.reload_every,
                 **figures(out)})
 
 

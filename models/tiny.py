@@ -124,7 +124,7 @@ def tiny_llama(
     if dtype not in settings.DTYPES:
         raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
     model.to(device=settings.resolve_device(device), dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    return frozen(model, tokenizer, "tiny-llama", dtype)
+    return frozen(model, tokenizer, "tiny", dtype)  # the name that loads it again (run.json records it)
 
 
 def save_tiny_llama(folder: Path, **kwargs: int) -> Path:

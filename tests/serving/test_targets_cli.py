@@ -155,6 +155,19 @@ def test_a_run_is_served_on_the_base_model_it_was_trained_on(tmp_path: Path, mon
     assert ServeSettings(run_dir=run, check_base=False).model == "smollm2"  # the operator's override
 
 
+def test_a_loaded_models_name_is_the_one_that_serves_its_runs(tmp_path: Path) -> None:
+    """A run written from a loaded model records ``loaded.name`` (``run_federated`` without a model name,
+    the benches): that name must load the model again and pass the served run's base check."""
+    from models import load_base_model
+
+    loaded = load_base_model("tiny")
+    run = _run_on(tmp_path, loaded.name)
+    assert ServeSettings(run_dir=run, model="tiny").model == "tiny"
+    again = load_base_model(ServeSettings(run_dir=run).model)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), again.model.state_dict().values(),
+                                                 strict=True))
+
+
 def test_a_run_trained_on_a_model_folder_is_served_on_that_folder(tmp_path: Path) -> None:
     folder = tmp_path / "my-model"
     folder.mkdir()
