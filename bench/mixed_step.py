@@ -35,7 +35,10 @@ def main() -> None:
     args = p.parse_args()
     apply_threads(args)
     loaded = load_base_model(args.model, dtype=args.dtype)
-    engine = Engine(loaded, None, EngineConfig(max_batch_size=args.running + args.arrivals, max_model_len=512))
+    # max_decode_skips 0: every step decodes (by default the step that starts new prompts leaves the decode
+    # to the next step, and there would be no mixed forward to measure)
+    engine = Engine(loaded, None, EngineConfig(max_batch_size=args.running + args.arrivals, max_model_len=512,
+                                               max_decode_skips=0))
     shipped = engine.executor.fuses
     fresh = itertools.count()  # every prompt new: no case reuses another's cached prefix
     rest: dict[str, list[float]] = {"fused": [], "apart": []}

@@ -85,7 +85,8 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens prefilled per engine step, longer prompts in chunks (default 512)")
     p.add_argument("--max-decode-skips", type=int, default=None,
-                   help="steps in a row that prefill a burst of prompts without decoding (default 2; 0: never)")
+                   help="steps in a row that prefill prompts waiting for their first token without decoding "
+                        "(default 2; 0: never)")
     p.add_argument("--prefix-cache-slots", type=int, default=None,
                    help="recent prompts whose KV later prompts sharing a prefix reuse (default 4; 0: off)")
     p.add_argument("--request-timeout", type=_timeout, default=None,

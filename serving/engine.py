@@ -6,9 +6,10 @@ at most ``max_prefill_tokens`` tokens, so a long prompt never stalls running req
 a chunk (:mod:`serving.prefill`) — and decodes one token of every running request in that same
 forward (one read of the weights per step; apart on CUDA, whose decode steps are captured graphs), each
 row with its own adapter weights (the one contract, ARCHITECTURE.md), so one batch mixes clients.
-While prompts whose prefill has not started remain beyond a step's token budget (a burst), up to
-``max_decode_skips`` steps in a row prefill without decoding, so a burst is answered before the running
-rows take their next token (vLLM's prefill-first order, bounded so decoding never starves). Forwards
+While prompts wait for their first token (queued, or starting their prefill in this step), up to
+``max_decode_skips`` steps in a row prefill without decoding, so new requests are answered before the
+running rows take their next token (vLLM's prefill-first order, bounded so decoding never starves; a
+long prompt's later chunks ride beside the decode). Forwards
 run on the fused Llama runner (CUDA graphs on CUDA) or the model's own HF forward (:mod:`serving.executor`).
 
 Routing hook (FedDPA, paper 000 section 4.3): a request with ``weight_fn`` is prefilled with its
@@ -55,7 +56,7 @@ from serving.kv import SlotKV
 from serving.lifecycle import EngineConfig
 from serving.logits import RowHistory
 from serving.model_lock import ModelLock
-from serving.prefill import Pass, PrefillSteps
+from serving.prefill import PrefillSteps
 from serving.prefix_cache import PrefixCache
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.runner.inputs import RowAdapters
@@ -282,12 +283,11 @@ class Engine(PrefillSteps):
                     self._admit()
                     first = self._plan([s for s in self._active if s.phase in ("route", "fill")],
                                        self.config.max_prefill_tokens, reserve=True)
-                    decoding: list[Sequence] = []
-                    if self._backlog(first) and self._skipped < self.config.max_decode_skips:
-                        self._skipped += 1
+                    decoding = [s for s in self._active if s.phase == "decode" and s.output]
+                    if decoding and self._waiting_for_first_tokens() and self._skipped < self.config.max_decode_skips:
+                        self._skipped, decoding = self._skipped + 1, []
                     else:
                         self._skipped = 0
-                        decoding = [s for s in self._active if s.phase == "decode" and s.output]
                     tokens, rows = self._prefill(first, decoding, finished), len(decoding)
                 seconds = time.perf_counter() - started
             finally:
@@ -303,12 +303,11 @@ class Engine(PrefillSteps):
                 handle.finish(res)  # done callbacks (lease releases) run without the model lock
         return self.has_work()
 
-    def _backlog(self, first: Pass) -> bool:
-        # Prompts whose pass will not have started after this step's ``first`` pass (queued with a free
-        # slot, or admitted past the budget). A long prompt already being chunked does not count: the
-        # running rows keep decoding every step.
-        taken = first.taken()
-        return (any(s.phase in ("route", "fill") and s.filled == 0 and id(s) not in taken for s in self._active)
+    def _waiting_for_first_tokens(self) -> bool:
+        # Prompts whose pass has not got beyond where it began (queued with a free slot, admitted past
+        # the budget, or starting in this step's first pass; a reused prefix counts as where it began).
+        # A long prompt already being chunked does not count: the running rows keep decoding.
+        return (any(s.phase in ("route", "fill") and s.filled == s.begun for s in self._active)
                 or bool(self._waiting and self.kv.free_slots))
 
     def _end(self, seq: Sequence, res: GenerationResult, finished: Finished) -> None:

@@ -37,9 +37,10 @@ class EngineConfig:
         max_waiting: queued requests at most; beyond it :meth:`Engine.submit` raises EngineOverloaded.
         max_prefill_tokens: prompt tokens prefilled per step (chunked prefill): bounds how long a
             long prompt can hold up the running requests' next token.
-        max_decode_skips: steps in a row that may prefill without decoding while prompts still wait
-            for their first token (0: every step decodes); a burst of requests beyond
-            ``max_prefill_tokens`` gets its first tokens before the running rows their next one.
+        max_decode_skips: steps in a row that may prefill without decoding while prompts wait for
+            their first token, queued or starting their prefill in the step (0: every step decodes);
+            new requests get their first tokens before the running rows their next one, and a long
+            prompt's later chunks ride in the decode's forward.
         request_timeout_s: a request still unfinished this long after submission is answered with
             an error (504); None: no deadline.
         runner: ``auto`` (the fused Llama runner when the model allows it), ``fused`` or ``hf``.
@@ -158,11 +159,10 @@ class Lifecycle:
         prompt's log-probabilities are asked for (every position's logits are needed).
         """
         req = seq.handle.request
-        if seq.slot is None or req.sampling.prompt_logprobs is not None:
-            return
-        if seq.phase == "route" and req.state_pooling != "last":
-            return
-        seq.filled = self.prefixes.reuse(seq.adapters, seq.ids, seq.slot)
+        pooled = seq.phase == "route" and req.state_pooling != "last"
+        if seq.slot is not None and req.sampling.prompt_logprobs is None and not pooled:
+            seq.filled = self.prefixes.reuse(seq.adapters, seq.ids, seq.slot)
+        seq.begun = seq.filled
 
     def prefilled(self, seq: Sequence, out: RowOut) -> bool:
         """A chunk of the prompt went through; True when its first token is sampled from ``out``.

@@ -41,6 +41,7 @@ class Sequence:
     slot: int | None = None
     phase: Phase = "waiting"
     filled: int = 0  # prompt positions written in the current phase
+    begun: int = 0  # where the current phase's pass began (after a reused prefix): filled == begun, not started
     adapters: RowAdapters = RowAdapters()  # what the current phase runs with
     weights: tuple[float, ...] = ()  # the decode weights (after routing)
     info: dict[str, Any] = field(default_factory=dict)

@@ -40,8 +40,9 @@ class ServeSettings(BaseSettings):
     max_model_len: int = Field(2048, ge=2)
     max_waiting: int = Field(64, ge=1, description="queued requests before 429")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per engine step (chunked)")
-    max_decode_skips: int = Field(2, ge=0, description="steps in a row that prefill waiting prompts without "
-                                                       "decoding the running ones (0: every step decodes)")
+    max_decode_skips: int = Field(2, ge=0, description="steps in a row that prefill prompts waiting for "
+                                                       "their first token without decoding the running ones "
+                                                       "(0: every step decodes)")
     prefix_cache_slots: int = Field(4, ge=0, description="recent prompts whose KV later prompts sharing a prefix "
                                                          "under the same adapter weights reuse (0: off)")
     request_timeout_s: float | None = Field(600.0, gt=0, description="deadline of a request (504 beyond); null: none")

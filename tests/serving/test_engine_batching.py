@@ -262,9 +262,9 @@ def test_a_burst_is_prefilled_before_the_running_rows_decode_within_the_skip_bou
     adapted = adapted_with(tiny)
     first = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=budget, max_decode_skips=2))
     made, out_first = _burst(first)
-    # The running row has its first token (its prefill step). The first burst step leaves a prompt
-    # unstarted, so it does not decode; the second prefills the rest and decodes.
-    assert made[:2] == [1, 2]
+    # The running row has its first token (its prefill step). Steps that start prompts do not decode:
+    # the first burst step leaves a prompt unstarted, the second starts it, the third decodes.
+    assert made[:3] == [1, 1, 2]
     every = Engine(tiny, adapted, EngineConfig(max_prefill_tokens=budget, max_decode_skips=0))
     made0, out_every = _burst(every)
     assert made0[:2] == [2, 3]  # without skips the running row decodes every step

@@ -62,7 +62,8 @@ def _count_forwards(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tup
 
 def test_a_step_that_prefills_and_decodes_reads_the_weights_once(tiny: LoadedModel,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=4))
+    # Every step decodes here: by default a step that starts new prompts leaves the decode to the next.
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=4, max_decode_skips=0))
     reqs = requests(6)
     alone = [engine.generate([r])[0].token_ids for r in reqs]
     calls = _count_forwards(engine, monkeypatch)
@@ -79,7 +80,7 @@ def test_a_step_that_prefills_and_decodes_reads_the_weights_once(tiny: LoadedMod
 
 
 def test_a_failing_mixed_forward_runs_its_halves_apart(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=4))
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=4, max_decode_skips=0))
     reqs = requests(6)
     alone = [engine.generate([r])[0].token_ids for r in reqs]
     fast = engine.executor.fast
@@ -103,6 +104,35 @@ def test_a_failing_mixed_forward_runs_its_halves_apart(tiny: LoadedModel, monkey
         pass
     results = [h.result() for h in handles]
     assert all(r.finish_reason == "length" for r in results) and [r.token_ids for r in results] == alone
+
+
+def test_new_prompts_get_a_step_of_their_own_and_a_long_prompt_then_rides_beside_the_decode(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill-first (vLLM's order, bounded): the step that starts new prompts does not decode the running
+    rows, so their first tokens come out of a prefill-only forward; a prompt still being chunked after
+    its first step does not hold the decode back, its next chunks ride in the decode's forward."""
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=4, max_prefill_tokens=1,
+                                                           prefix_cache_slots=0))  # every prompt from its start
+    reqs = requests(6)
+    alone = [engine.generate([r])[0].token_ids for r in reqs]
+    calls = _count_forwards(engine, monkeypatch)
+    handles = [engine.submit(reqs[0])]
+    while not engine._active or len(engine._active[0].output) < 2:
+        engine.step()
+    running = engine._active[0]
+    made = len(running.output)
+    handles.append(engine.submit(reqs[1]))
+    calls.clear()
+    engine.step()  # the new prompt's first chunk alone
+    new = next(s for s in engine._active if s.handle is handles[1])
+    assert calls == [("prefill", 1, 0)] and len(running.output) == made
+    assert len(new.ids) >= 3 and new.filled == 1  # a chunk of one token per step
+    calls.clear()
+    engine.step()  # its next chunk beside the running row's decode: one forward
+    assert calls == [("prefill", 1, 1)] and len(running.output) == made + 1
+    while engine.step():
+        pass
+    assert [h.result().token_ids for h in handles] == alone[:2]
 
 
 def test_adapters_beyond_the_slots_run_the_halves_apart(tiny: LoadedModel) -> None:
