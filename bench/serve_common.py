@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -151,6 +152,14 @@ def run_all(stack: object, jobs: Sequence[object]) -> None:
 def print_json(figures: dict[str, object]) -> None:
     """Print the benchmark's one JSON object (indented) on stdout."""
     print(json.dumps(figures, indent=2), flush=True)
+
+
+def length_draw(mean: int, ratio: float, seed: int) -> Callable[[], int]:
+    """Draws of ``max_tokens`` uniform in ``mean x [1 - ratio, 1 + ratio]`` (vLLM's range ratio), seeded."""
+    rnd = random.Random(seed)
+    low = max(1, round(mean * (1 - ratio)))
+    high = max(low, round(mean * (1 + ratio)))
+    return lambda: rnd.randint(low, high)
 
 
 def timed(fn: Callable[[], object]) -> float:

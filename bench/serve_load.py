@@ -47,7 +47,6 @@ import asyncio
 import itertools
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from pathlib import Path
 import httpx
 from serve_common import (
     build_run,
+    length_draw,
     median,
     parser,
     percentile,
@@ -273,9 +273,7 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
         stop = start + a.duration
 
         async def user(u: int) -> None:
-            lengths = random.Random(u)  # each client's own seeded draw: the same lengths run to run
-            low = max(1, round(a.max_tokens * (1 - a.max_tokens_range_ratio)))
-            high = max(low, round(a.max_tokens * (1 + a.max_tokens_range_ratio)))
+            draw = length_draw(a.max_tokens, a.max_tokens_range_ratio, seed=u)  # the same lengths run to run
             await asyncio.sleep(a.ramp * u / max(1, a.clients))
             n = 0
             while time.perf_counter() - t0 < stop:
@@ -285,7 +283,7 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
                 else:
                     k = u + n
                     replies.append(await stream(client, t0, targets[k % len(targets)], questions(1, next(asked))[0],
-                                                lengths.randint(low, high)))
+                                                draw()))
 
         async def reloader() -> None:
             i = 0
@@ -392,12 +390,10 @@ def main() -> None:
         with server(run, args, Path(tmp) / "server.log") as url:
             out = asyncio.run(scenario(url, args, texts, probe, folders))
     out["warmup"] = args.warmup
-    print_json({"model": args.model, "dtype": dtype,
-                "clients": args.clients, "duration_s": args.duration, "ramp_s": args.ramp,
-                "server_max_batch_size": args.max_batch_size,
-                "max_tokens": args.max_tokens, "max_tokens_range_ratio": args.max_tokens_range_ratio,
-                "run_clients": args.run_clients, "reload_every_s": args.reload_every,
-                **figures(out)})
+    print_json({"model": args.model, "dtype": dtype, "clients": args.clients, "duration_s": args.duration,
+                "ramp_s": args.ramp, "server_max_batch_size": args.max_batch_size, "max_tokens": args.max_tokens,
+                "max_tokens_range_ratio": args.max_tokens_range_ratio, "run_clients": args.run_clients,
+                "reload_every_s": args.reload_every, **figures(out)})
 
 
 if __name__ == "__main__":
