@@ -39,10 +39,6 @@ class Pass:
     def __post_init__(self) -> None:
         self.left = self.budget
 
-    def taken(self) -> set[int]:
-        """ids of the sequences this pass prefills."""
-        return {id(seq) for seq, _ in self.plain + self.solo}
-
 
 class PrefillSteps(Lifecycle):
     """The prefill half of a step (mixed into :class:`serving.engine.Engine`, which owns the state)."""
