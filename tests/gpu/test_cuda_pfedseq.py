@@ -3,7 +3,7 @@
 mamba-ssm has no wheel on PyPI; build it for the GPU with ``../shared/gpu/mamba_ssm.sh`` (README, GPU)
 and put it on ``PYTHONPATH``. Without it the kernel test is skipped with that reason. Measured on an
 H100 (torch 2.11+cu130, mamba-ssm 2.3.2.post1): forward 1.8e-7, gradients 8.1e-7 relative. The whole
-learner on the kernel is compared in tests/training/test_pfedseq.py (also marked ``cuda``).
+learner on the kernel is compared in tests/training/test_pfedseq_learner.py (also marked ``cuda``).
 """
 
 from __future__ import annotations
