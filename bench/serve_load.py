@@ -8,7 +8,8 @@ drives it with httpx:
 
 1. reference answers: the probe prompt sent to ``hot`` (greedy) with version A loaded, then each
    candidate B, then A again (the two must differ, A must repeat, and each answer must be the same
-   alone and in a batch, or the check below could not see anything or would see batch noise);
+   alone, in a small batch, beside a crowd the size of the load and arriving while it decodes, or the
+   check below could not see anything or would see bf16 batch noise: :mod:`load_probe`);
 2. idle: one client alone sends ``--idle-requests`` requests one after another (the idle TTFT);
 3. load: ``--clients`` streaming clients (starting evenly spread over ``--ramp`` s, as load tools ramp
    users up) for ``--duration`` s, each request for one of the run's ``<client>`` targets
@@ -45,19 +46,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from load_probe import HOT, Reply, Timeline, references, reload, stream, write_versions
 from serve_common import (
     build_run,
     length_draw,
@@ -66,64 +65,14 @@ from serve_common import (
     percentile,
     print_json,
     questions,
-    random_adapter,
     ratio,
     step_figures,
     step_totals,
 )
 
-from adapters import LoraConfig, inject
 from models import load_base_model
 
 REPO = Path(__file__).resolve().parents[1]
-HOT = "hot"  # a runtime adapter (a run's own names reload only from the run's folders, #15)
-
-
-@dataclass
-class Reply:
-    """One streamed request: times relative to the run's start, the text, and what went wrong."""
-
-    target: str
-    sent: float
-    headers: float | None = None
-    first: float | None = None
-    end: float | None = None
-    text: str = ""
-    tokens: int = 0
-    error: str | None = None
-    probe: bool = False
-
-
-@dataclass
-class Reload:
-    """One ``load_lora_adapter`` call: which version's folder, when sent and answered, and its status."""
-
-    label: str
-    sent: float
-    done: float
-    ok: bool
-    message: str = ""
-
-
-@dataclass
-class Timeline:
-    """The reload log of the hot adapter, starting from ``initial`` (the label loaded before the run)."""
-
-    initial: str
-    reloads: list[Reload] = field(default_factory=list)
-
-    def allowed(self, start: float, end: float) -> set[str]:
-        """Labels that may have been current at some moment of ``[start, end]``.
-
-        Reloads run one after another. A reload becomes current at some unknown moment between its
-        send and its answer, so a window overlapping a reload allows both the old and the new label;
-        a failed reload changes nothing.
-        """
-        ok = [r for r in self.reloads if r.ok]
-        done_before = [r for r in ok if r.done <= start]
-        labels = {done_before[-1].label if done_before else self.initial}
-        labels.update(r.label for r in ok if r.sent <= end and r.done > start)
-        return labels
 
 
 @contextmanager
@@ -168,91 +117,6 @@ def server(run: Path, args: argparse.Namespace, log: Path) -> Iterator[str]:
             proc.wait()
 
 
-async def stream(client: httpx.AsyncClient, t0: float, target: str, text: str, max_tokens: int,
-                 probe: bool = False) -> Reply:
-    """Send one streaming chat request and read it to the end."""
-    body = {"model": target, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    reply = Reply(target, time.perf_counter() - t0, probe=probe)
-    parts: list[str] = []
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            reply.headers = time.perf_counter() - t0
-            if response.status_code != 200:
-                reply.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return reply
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    reply.error = f"in-band error: {event['error']}"
-                    continue
-                if event.get("usage"):
-                    reply.tokens = int(event["usage"]["completion_tokens"])
-                for choice in event.get("choices", []):
-                    piece = choice.get("delta", {}).get("content")
-                    if piece:
-                        if reply.first is None:
-                            reply.first = time.perf_counter() - t0
-                        parts.append(piece)
-    except httpx.HTTPError as exc:
-        reply.error = f"{type(exc).__name__}: {exc}"
-    reply.end = time.perf_counter() - t0
-    reply.text = "".join(parts)
-    if reply.error is None and reply.first is None and reply.tokens:
-        reply.error = "no content delta before the end"
-    return reply
-
-
-async def reload(client: httpx.AsyncClient, t0: float, label: str, folder: Path) -> Reload:
-    """Reload the hot adapter from ``folder`` as a new version (vLLM's ``load_inplace``)."""
-    sent = time.perf_counter() - t0
-    try:
-        r = await client.post("/v1/load_lora_adapter", json={"lora_name": HOT, "lora_path": str(folder),
-                                                             "load_inplace": True})
-        ok, message = r.status_code == 200, r.text[:200]
-    except httpx.HTTPError as exc:
-        ok, message = False, f"{type(exc).__name__}: {exc}"
-    return Reload(label, sent, time.perf_counter() - t0, ok, message)
-
-
-async def references(client: httpx.AsyncClient, t0: float, probe: str, folders: dict[str, Path],
-                     tokens: int, company: list[tuple[str, str]]) -> dict[str, str]:
-    """The probe's greedy answers under version A and under the ``B*`` candidate chosen as version B.
-
-    Loads A, every ``B*`` candidate, then A again (which must answer as before). Each answer is taken
-    twice, alone and decoded beside ``company`` (other clients' requests): bf16 matmuls are not
-    batch-invariant, so a version whose greedy answer sits on near-ties (a strongly perturbed adapter
-    writing dashes) answers differently in another batch, and the check below would count that as a
-    wrong version. Among the candidates whose two answers agree and differ from A's, the one sharing the
-    shortest prefix with A's becomes ``folders["B"]`` (the earlier two versions part, the more of a mixed
-    or stale decode shows). Leaves A loaded.
-    """
-    async def answer(label: str) -> tuple[str, bool]:
-        if not (await reload(client, t0, label, folders[label])).ok:
-            raise RuntimeError(f"loading the reference version {label} failed")
-        alone = (await stream(client, t0, HOT, probe, tokens)).text
-        together = await asyncio.gather(stream(client, t0, HOT, probe, tokens),
-                                        *(stream(client, t0, target, text, tokens) for target, text in company))
-        return alone, together[0].text == alone
-
-    ref: dict[str, str] = {}
-    ref["A"], stable = await answer("A")
-    if not stable:
-        raise RuntimeError(f"version A's probe answer {ref['A']!r} changes with the batch")
-    candidates = {k: await answer(k) for k in sorted(k for k in folders if k.startswith("B") and k != "B")}
-    differ = {k: len(os.path.commonprefix([text, ref["A"]])) for k, (text, ok) in candidates.items()
-              if ok and text != ref["A"]}
-    if differ:
-        best = min(differ, key=lambda k: (differ[k], k))
-        ref["B"], folders["B"] = candidates[best][0], folders[best]
-    again, _ = await answer("A")
-    if "B" not in ref or again != ref["A"]:
-        raise RuntimeError(f"probe answers cannot tell the versions apart: A {ref['A']!r} then {again!r}, "
-                           f"candidates {candidates}")
-    return ref
-
 
 async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: str, folders: dict[str, Path]) -> dict:
     """References, idle requests, then the load with reloads; returns the figures."""
@@ -261,7 +125,9 @@ async def scenario(url: str, args: argparse.Namespace, texts: list[str], probe: 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         t0 = time.perf_counter()
         company = [(f"c{c}", texts[c % len(texts)]) for c in range(min(8, a.run_clients))]
-        ref = await references(client, t0, probe, folders, a.probe_tokens, company)
+        crowd = [(f"c{c % a.run_clients}", q) for c, q in  # as many as the load decodes at once
+                 enumerate(questions(min(a.clients, a.max_batch_size) - 1, 10_000))]
+        ref = await references(client, t0, probe, folders, a.probe_tokens, company, crowd)
         targets = [f"c{c}" for c in range(a.run_clients)]
         asked = itertools.count(len(texts))  # each request a question not asked before (no whole-prompt reuse)
         idle = [await stream(client, t0, targets[i % len(targets)], questions(1, next(asked))[0], a.max_tokens)
@@ -351,16 +217,7 @@ def prepare(args: argparse.Namespace, root: Path) -> tuple[Path, dict[str, Path]
     """Write the run and the versions of the hot adapter; returns (run, folders, questions, probe, dtype)."""
     loaded = load_base_model(args.model, dtype=args.dtype)
     run = build_run(loaded, root, clients=args.run_clients)
-    folders = {"A": run / "versions" / "A"}  # inside the run: the server's adapter root
-    shutil.copytree(run / "adapters" / "clients" / "c0" / "local", folders["A"])
-    adapted = inject(loaded.model)
-    try:  # candidates for version B, weakest first: the first whose probe answer differs from A's is used
-        for i, scale in enumerate((0.05, 0.2, 1.0, 4.0)):
-            folders[f"B{i}"] = run / "versions" / f"B{i}"
-            random_adapter(adapted, f"b{i}", LoraConfig(r=8, alpha=16.0, dropout=0.0), 999, folders[f"B{i}"], scale)
-    finally:
-        adapted.remove()
-    return run, folders, questions(12), "Name three colours, one per line.", loaded.dtype
+    return run, write_versions(loaded, run), questions(12), "Name three colours, one per line.", loaded.dtype
 
 
 def main() -> None:
