@@ -87,7 +87,8 @@ class Executor:
         autocast: factory of the compute context.
         runner: ``auto`` (fused when the model allows), ``fused`` (required) or ``hf``.
         lora_slots: adapter slots of the fused runner.
-        max_lora_rank: largest adapter rank the fused runner serves.
+        max_lora_rank: largest adapter rank the fused runner serves (its slots grow to it with the
+            adapters served, or hold it from the start under CUDA graphs).
         cuda_graphs: capture decode steps on CUDA (Triton kernels when triton imports, else the references).
         max_batch: the engine's largest batch.
     """
@@ -101,13 +102,14 @@ class Executor:
         self.fast: LlamaRunner | None = None
         self.graphs: DecodeGraphs | None = None
         reason = "disabled" if runner == "hf" else unsupported_reason(model, kv.max_len)
-        if reason is None:
-            self.fast = LlamaRunner(model, adapted, kv, autocast, lora_slots, max_lora_rank)
+        graphs = cuda_graphs and kv.device.type == "cuda" and torch.cuda.is_available()
+        if reason is None:  # captured graphs hold the slots' addresses: their rank is fixed then
+            self.fast = LlamaRunner(model, adapted, kv, autocast, lora_slots, max_lora_rank, grow_rank=not graphs)
         elif runner == "fused":
             raise ValueError(f"runner 'fused' cannot serve this model: {reason}")
         else:
             logger.info("serving with the HF forward (%s)", reason)
-        if self.fast is not None and cuda_graphs and kv.device.type == "cuda" and torch.cuda.is_available():
+        if self.fast is not None and graphs:
             self.graphs = DecodeGraphs(self.fast, max_batch)
 
     def runner_name(self, adapters: Sequence[RowAdapters]) -> str:

@@ -46,7 +46,8 @@ class EngineConfig:
         runner: ``auto`` (the fused Llama runner when the model allows it), ``fused`` or ``hf``.
         lora_slots: adapters one fused step can mix (default ``max_batch_size + 1``: a global
             adapter and one local adapter per row); steps needing more run on the HF forward.
-        max_lora_rank: largest adapter rank the fused runner serves (zero-padded below it).
+        max_lora_rank: largest adapter rank the fused runner serves; its slots hold the largest rank
+            served so far (fixed at this one under CUDA graphs), smaller ranks zero-padded.
         cuda_graphs: capture fused decode steps as CUDA graphs on CUDA.
         prefix_cache_slots: recent prompts whose KV is kept for later prompts sharing a prefix under
             the same adapter weights (:mod:`serving.prefix_cache`; 0: off).

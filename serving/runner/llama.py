@@ -81,13 +81,15 @@ class LlamaRunner:
         autocast: factory of the compute context (``LoadedModel.autocast``).
         lora_capacity: adapter slots (adapters usable by one step).
         lora_rank: largest adapter rank served without falling back to :mod:`serving.runner.hf`.
+        grow_rank: the adapter slots start at rank 0 and grow with the adapters served, up to
+            ``lora_rank`` (:mod:`serving.runner.lora_slots`); off: fixed at ``lora_rank`` (CUDA graphs).
     """
 
     name = "fused"
 
     def __init__(self, model: nn.Module, adapted: AdaptedModel | None, kv: SlotKV,
                  autocast: Callable[[], contextlib.AbstractContextManager[Any]], lora_capacity: int = 16,
-                 lora_rank: int = 16) -> None:
+                 lora_rank: int = 16, grow_rank: bool = False) -> None:
         reason = unsupported_reason(model, kv.max_len)
         if reason is not None:
             raise ValueError(f"the fused runner cannot serve this model: {reason}")
@@ -129,7 +131,7 @@ class LlamaRunner:
             positions = torch.arange(kv.max_len, device=kv.device).unsqueeze(0)
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=residual, device=kv.device), positions)
         self.cos, self.sin = cos[0], sin[0]  # (max_len, D) in the residual stream's dtype
-        self.slots = (LoraSlots(adapted, self.mods, lora_capacity, lora_rank, kv.dtype, kv.device)
+        self.slots = (LoraSlots(adapted, self.mods, lora_capacity, lora_rank, kv.dtype, kv.device, grow=grow_rank)
                       if adapted is not None else None)
 
     # --- what runs here -------------------------------------------------------------------------

@@ -14,10 +14,18 @@ gather of per-row weight copies (Punica's BGMV and S-LoRA read each adapter once
 this), and the stacks have fixed addresses, so a CUDA graph captured over the first ``S_b`` slots
 stays valid while adapters move in and out of slots. A slot is filled when a step first needs its
 adapter and reused while the adapter (its internal, versioned name and its tensors) is unchanged.
+
+Every slot holds the stacks' rank, a smaller adapter zero-padded, and a step reads the padding too.
+Without CUDA graphs the rank therefore follows the adapters: it starts at 0 (no stacks) and grows to
+the largest rank a step has needed, up to ``max_lora_rank`` (the stacks are remade and the slots
+refilled); a run of rank-8 adapters reads rank-8 stacks, not the ``max_lora_rank`` of 16 (half the
+adapter bytes and products of every step). Under CUDA graphs the rank is fixed at ``max_lora_rank``,
+as vLLM's, because captured graphs hold the stacks' addresses.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +33,8 @@ import torch
 
 from adapters import AdaptedModel, MultiLoraLinear
 from serving.runner.layout import in_feature_major
+
+logger = logging.getLogger(__name__)
 
 # projection groups of a Llama-family decoder layer, each with the targets sharing its input
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -46,20 +56,23 @@ class GroupLayout:
 
 
 class LoraSlots:
-    """Per-layer, per-group adapter stacks for ``capacity`` slots of rank ``rank``.
+    """Per-layer, per-group adapter stacks for ``capacity`` slots of rank :attr:`rank`.
 
     Args:
         adapted: the injected model whose adapters are copied in.
         layers: per decoder layer, target name -> its module (MultiLoraLinear or plain Linear).
         capacity: slots (adapters usable in one step).
-        rank: the largest rank a slot holds (smaller ranks are zero-padded).
+        rank: the largest rank a slot may hold (smaller ranks are zero-padded).
         dtype: the compute dtype of the stacks.
         device: the model's device.
+        grow: start at rank 0 and grow to the largest rank placed so far (at most ``rank``); without
+            it the stacks have rank ``rank`` from the start and never move (CUDA graphs).
     """
 
     def __init__(self, adapted: AdaptedModel, layers: Sequence[dict[str, torch.nn.Module]], capacity: int, rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.adapted, self.capacity, self.rank = adapted, capacity, rank
+                 dtype: torch.dtype, device: torch.device, grow: bool = False) -> None:
+        self.adapted, self.capacity, self.max_rank = adapted, capacity, rank
+        self.rank = 0 if grow else rank  # the rank every slot holds now
         self.dtype, self.device = dtype, device
         self.layers = list(layers)
         self.layouts: dict[str, GroupLayout] = {}
@@ -76,23 +89,35 @@ class LoraSlots:
                 start += width
             d_in = int(mods[targets[0]].in_features)  # type: ignore[union-attr]
             self.layouts[group] = GroupLayout(adapted_targets, tuple(columns), d_in, start)
-        # per layer: group -> (A (S*nt*r, d_in), Bt (S*nt*r, d_out))
-        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        major = in_feature_major(device, dtype)
-        for _ in self.layers:
-            per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            for group, lay in self.layouts.items():
-                rows = capacity * len(lay.targets) * rank
-                # A in-feature-major where that is the fast GEMM form (CPU float32: serving.runner.layout)
-                a = (torch.zeros(lay.d_in, rows, dtype=dtype, device=device).t() if major
-                     else torch.zeros(rows, lay.d_in, dtype=dtype, device=device))
-                per[group] = (a, torch.zeros(rows, lay.d_out, dtype=dtype, device=device))
-            self.stacks.append(per)
+        self.stacks = self._allocate(self.rank)
         self.names: list[str | None] = [None] * capacity  # slot -> internal adapter name
         self.scaling = [0.0] * capacity
         self._fingerprint: list[tuple[int, ...] | None] = [None] * capacity
         self._last_used = [0] * capacity
         self._tick = 0
+
+    def _allocate(self, rank: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Zeroed stacks of ``rank``: per layer, group -> (A (S*nt*r, d_in), Bt (S*nt*r, d_out))."""
+        stacks = []
+        major = in_feature_major(self.device, self.dtype)
+        for _ in self.layers:
+            per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for group, lay in self.layouts.items():
+                rows = self.capacity * len(lay.targets) * rank
+                # A in-feature-major where that is the fast GEMM form (CPU float32: serving.runner.layout)
+                a = (torch.zeros(lay.d_in, rows, dtype=self.dtype, device=self.device).t() if major
+                     else torch.zeros(rows, lay.d_in, dtype=self.dtype, device=self.device))
+                per[group] = (a, torch.zeros(rows, lay.d_out, dtype=self.dtype, device=self.device))
+            stacks.append(per)
+        return stacks
+
+    def _grow(self, rank: int) -> None:
+        """Remake the stacks at ``rank`` (every slot empties; :meth:`place` refills what a step needs)."""
+        logger.info("adapter slots grow from rank %d to %d (the largest adapter rank served so far)", self.rank, rank)
+        self.stacks = []  # the old stacks go before the new ones are made
+        self.stacks, self.rank = self._allocate(rank), rank
+        self.names = [None] * self.capacity
+        self._fingerprint = [None] * self.capacity
 
     # --- placement ------------------------------------------------------------------------------
 
@@ -107,7 +132,7 @@ class LoraSlots:
             return False
         for name in names:
             config = self.adapted.configs.get(name)
-            if config is None or config.r > self.rank or not set(config.target_modules) <= self.targets:
+            if config is None or config.r > self.max_rank or not set(config.target_modules) <= self.targets:
                 return False
         return True
 
@@ -120,6 +145,9 @@ class LoraSlots:
         """
         self._tick += 1
         wanted = list(dict.fromkeys(names))
+        need = max((self.adapted.configs[n].r for n in wanted), default=0)
+        if need > self.rank:
+            self._grow(need)
         for s, held in enumerate(self.names):
             if held is not None and held not in self.adapted.configs:
                 self.names[s], self._fingerprint[s] = None, None

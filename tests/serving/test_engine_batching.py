@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from adapters import LoraConfig, inject
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
 from serving.kv import SlotKV
@@ -19,7 +20,7 @@ from serving.runner.hf import HFRunner
 from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
 from serving.runner.llama import LlamaRunner, unsupported_reason
 from serving.sampling import SamplingParams, TextTracker, filter_logits, sample_batch
-from tests.serving.helpers import adapted_with
+from tests.serving.helpers import adapted_with, randomize
 
 PROMPTS = ["The capital of France is Paris and the capital of Italy is", "Sort these words",
            "twelve plus seven equals nineteen", "Convert 5 km"]
@@ -126,11 +127,33 @@ def test_a_reloaded_adapter_is_copied_into_its_slot_again(tiny: LoadedModel) -> 
     engine = Engine(tiny, adapted)
     req = requests()[2]  # l1 alone
     first = engine.generate([req])[0].token_ids
-    from tests.serving.helpers import randomize
-
     randomize(adapted, "l1", seed=999, scale=2.0)
     reference = Engine(tiny, adapted, EngineConfig(runner="hf")).generate([req])[0].token_ids
     assert engine.generate([req])[0].token_ids == reference != first
+
+
+def test_adapter_slots_grow_with_the_ranks_served_and_still_equal_the_hf_forward(tiny: LoadedModel) -> None:
+    adapted = inject(tiny.model)
+    for i, r in enumerate((2, 8, 16)):
+        adapted.add_adapter(f"r{r}", LoraConfig(r=r, alpha=2.0 * r, dropout=0.0), seed=i)
+        randomize(adapted, f"r{r}", seed=100 + i)
+    fused = Engine(tiny, adapted, EngineConfig(runner="fused", max_lora_rank=8))
+    reference = Engine(tiny, adapted, EngineConfig(runner="hf"))
+    slots = fused.executor.fast.slots  # type: ignore[union-attr]
+    assert slots is not None and slots.rank == 0 and slots.stacks[0]["qkv"][0].numel() == 0  # nothing held yet
+
+    def reqs(*mixes: tuple[tuple[str, ...], tuple[float, ...]]) -> list[GenerationRequest]:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        return [GenerationRequest(prompt=p, sampling=params, adapter_names=n, adapter_weights=w)
+                for p, (n, w) in zip(PROMPTS, mixes, strict=False)]
+
+    small = reqs((("r2",), (1.0,)))
+    assert ids(fused.generate(small)) == ids(reference.generate(small)) and slots.rank == 2
+    mixed = reqs((("r2", "r8"), (0.6, 0.4)), (("r8",), (1.0,)), (("r2",), (1.0,)), ((), ()))
+    assert ids(fused.generate(mixed)) == ids(reference.generate(mixed)) and slots.rank == 8  # r2 refilled at rank 8
+    big = reqs((("r16",), (1.0,)))  # above max_lora_rank: the HF forward serves it, the slots stay
+    assert fused.executor.runner_name([RowAdapters(("r16",), (1.0,))]) == "hf"
+    assert ids(fused.generate(big)) == ids(reference.generate(big)) and slots.rank == 8
 
 
 def test_unsupported_models_are_named() -> None:
