@@ -87,6 +87,8 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-decode-skips", type=int, default=None,
                    help="steps in a row that prefill prompts waiting for their first token without decoding "
                         "(default 2; 0: never)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest adapter rank the fused runner serves; larger ones run on the HF forward (default 16)")
     p.add_argument("--prefix-cache-slots", type=int, default=None,
                    help="recent prompts whose KV later prompts sharing a prefix reuse (default 4; 0: off)")
     p.add_argument("--request-timeout", type=_timeout, default=None,
@@ -125,6 +127,7 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",
             "max_waiting": "max_waiting", "max_prefill_tokens": "max_prefill_tokens",
             "max_decode_skips": "max_decode_skips", "prefix_cache_slots": "prefix_cache_slots",
+            "max_lora_rank": "max_lora_rank",
             "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
             "exit_on_engine_failure": "exit_on_engine_failure"}
 

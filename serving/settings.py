@@ -43,6 +43,9 @@ class ServeSettings(BaseSettings):
     max_decode_skips: int = Field(2, ge=0, description="steps in a row that prefill prompts waiting for "
                                                        "their first token without decoding the running ones "
                                                        "(0: every step decodes)")
+    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank the fused runner serves (vLLM's "
+                               "--max-lora-rank); its slots hold the largest rank served so far, a larger "
+                               "adapter runs on the HF forward")
     prefix_cache_slots: int = Field(4, ge=0, description="recent prompts whose KV later prompts sharing a prefix "
                                                          "under the same adapter weights reuse (0: off)")
     request_timeout_s: float | None = Field(600.0, gt=0, description="deadline of a request (504 beyond); null: none")

@@ -43,6 +43,7 @@ def stack_config(settings: ServeSettings) -> StackConfig:
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
                                                    max_decode_skips=s.max_decode_skips,
                                                    prefix_cache_slots=s.prefix_cache_slots,
+                                                   max_lora_rank=s.max_lora_rank,
                                                    request_timeout_s=s.request_timeout_s),
         feddpa_routing=routing, feddpa_weighting=weighting,  # type: ignore[arg-type]
         feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]

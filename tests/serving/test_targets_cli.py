@@ -114,10 +114,19 @@ def test_engine_limits_from_the_command_line() -> None:
             settings.shutdown_timeout_s, settings.exit_on_engine_failure) == (5, 64, None, 2.5, False)
     assert settings_from_args(_serve_args("--request-timeout", "30")).request_timeout_s == 30.0
     assert settings_from_args(_serve_args()).request_timeout_s == 600.0
+    assert settings_from_args(_serve_args("--max-lora-rank", "64")).max_lora_rank == 64
+
+
+def test_max_lora_rank_reaches_the_fused_runners_slots() -> None:
+    from serving.api.app import stack_config
+    from serving.settings import ServeSettings
+
+    assert stack_config(ServeSettings(model="tiny", max_lora_rank=32)).engine.max_lora_rank == 32
 
 
 @pytest.mark.parametrize(("argv", "named"), [(["--max-prefill-tokens", "0"], "max_prefill_tokens"),
-                                             (["--request-timeout", "-1"], "request_timeout_s")])
+                                             (["--request-timeout", "-1"], "request_timeout_s"),
+                                             (["--max-lora-rank", "0"], "max_lora_rank")])
 def test_invalid_engine_limits_exit_naming_the_setting(argv: list[str], named: str) -> None:
     with pytest.raises(SystemExit, match=f"invalid server settings: {named}"):
         settings_from_args(_serve_args(*argv))
