@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,8 +181,6 @@ async def references(client: httpx.AsyncClient, t0: float, probe: str, folders: 
 def write_versions(loaded: LoadedModel, run: Path) -> dict[str, Path]:
     """Version A of ``hot`` (a copy of ``c0:local``) and the candidates for B, weakest first, inside ``run``
     (the server's adapter root): ``{"A": folder, "B0": folder, ...}``."""
-    import shutil
-
     folders = {"A": run / "versions" / "A"}
     shutil.copytree(run / "adapters" / "clients" / "c0" / "local", folders["A"])
     adapted = inject(loaded.model)

@@ -114,7 +114,7 @@ class LoraSlots:
     def _grow(self, rank: int) -> None:
         """Remake the stacks at ``rank`` (every slot empties; :meth:`place` refills what a step needs)."""
         logger.info("adapter slots grow from rank %d to %d (the largest adapter rank served so far)", self.rank, rank)
-        self.stacks = []  # the old stacks go before the new ones are made
+        self.stacks = []  # freed before the new ones are made: at most one set in memory
         self.stacks, self.rank = self._allocate(rank), rank
         self.names = [None] * self.capacity
         self._fingerprint = [None] * self.capacity
