@@ -281,9 +281,10 @@ class Engine(PrefillSteps):
                 with torch.inference_mode():
                     self._expire(finished)
                     self._admit()
-                    first = self._plan([s for s in self._active if s.phase in ("route", "fill")],
-                                       self.config.max_prefill_tokens, reserve=True)
                     decoding = [s for s in self._active if s.phase == "decode" and s.output]
+                    budget = self.config.max_prefill_tokens
+                    first = self._plan([s for s in self._active if s.phase in ("route", "fill")], budget,
+                                       reserve=True, exact_budget=None if decoding else budget)
                     if decoding and self._waiting_for_first_tokens() and self._skipped < self.config.max_decode_skips:
                         self._skipped, decoding = self._skipped + 1, []
                     else:

@@ -36,7 +36,8 @@ class EngineConfig:
         max_model_len: prompt plus completion tokens at most per request.
         max_waiting: queued requests at most; beyond it :meth:`Engine.submit` raises EngineOverloaded.
         max_prefill_tokens: prompt tokens prefilled per step (chunked prefill): bounds how long a
-            long prompt can hold up the running requests' next token.
+            long prompt can hold up the running requests' next token. In a step with no running
+            requests it bounds each forward: routed requests' exact passes get a budget of their own.
         max_decode_skips: steps in a row that may prefill without decoding while prompts wait for
             their first token, queued or starting their prefill in the step (0: every step decodes);
             new requests get their first tokens before the running rows their next one, and a long

@@ -5,7 +5,11 @@ alone). A routed request (FedDPA instance-wise weighting, paper 000 section 4.3)
 routing pass with its prefill weights; when the routing pass ends within the step, its exact pass
 with the routed weights runs in the same step, so its first token comes one step sooner: a routing
 pass that would end here is started only while the budget holds both passes (or the step has
-nothing else to do). Whether the step then decodes is the engine's choice (:meth:`Engine.step`, made
+nothing else to do). In a step with no running rows nobody's next token waits on the step, so the
+budget bounds each forward instead (its activations): the exact passes of the prompts routed in the
+first forward run in a second forward of their own budget. A burst of routed prompts then takes one
+step of two forwards rather than a second step that reads the weights twice more for its last
+prompts. Whether the step then decodes is the engine's choice (:meth:`Engine.step`, made
 on the planned first pass); when it does, the running rows' decode rides in the first pass's batched
 forward on the fused runner (:meth:`serving.executor.Executor.mixed`), so a mixed step reads the
 weights once per pass instead of once more for the decode. A row whose prefill ends in a step takes
@@ -32,12 +36,15 @@ class Pass:
     """One prefill pass of a step: its rows (batched plain rows, AMoLE rows alone) and its token budget."""
 
     budget: int
+    exact_budget: int | None = None  # the exact passes' own budget (a step with no running rows); None: shared
     left: int = field(init=False)  # budget not yet taken
+    exact_left: int = field(init=False)  # exact_budget not yet reserved
     plain: list[tuple[Sequence, PrefillRow]] = field(default_factory=list)
     solo: list[tuple[Sequence, PrefillRow]] = field(default_factory=list)  # alone: their last token is the last column
 
     def __post_init__(self) -> None:
         self.left = self.budget
+        self.exact_left = self.exact_budget or 0
 
 
 class PrefillSteps(Lifecycle):
@@ -52,23 +59,30 @@ class PrefillSteps(Lifecycle):
 
     def _decoded(self, seqs: list[Sequence], outs: list[RowOut | Exception], finished: Finished) -> None: ...
 
-    def _plan(self, seqs: list[Sequence], budget: int, reserve: bool = False) -> Pass:
+    def _plan(self, seqs: list[Sequence], budget: int, reserve: bool = False, exact_budget: int | None = None
+              ) -> Pass:
         """Choose one chunk of each of ``seqs`` within ``budget`` tokens (nothing runs yet).
 
         With ``reserve``, a routing pass that would end in this step is taken only while the budget
         also holds its exact pass (the whole prompt again), unless nothing was taken yet: a burst of
         routed prompts then gets its first tokens in arrival order, a step's worth at a time, instead
-        of every routing pass first and every first token a step later.
+        of every routing pass first and every first token a step later. With ``exact_budget`` (a
+        step with no running rows) the exact passes are held by that budget of their own instead.
         """
-        plan = Pass(budget)
+        plan = Pass(budget, exact_budget)
         for seq in seqs:
             if plan.left <= 0:
                 break
             n = min(len(seq.ids) - seq.filled, plan.left)
             req = seq.handle.request
             both = seq.phase == "route" and req.exact_prefill and seq.filled + n == len(seq.ids)
-            if reserve and both and n + len(seq.ids) > plan.left and (plan.plain or plan.solo):
-                continue
+            if reserve and both and (plan.plain or plan.solo):
+                if exact_budget is None and n + len(seq.ids) > plan.left:
+                    continue
+                if exact_budget is not None and len(seq.ids) > plan.exact_left:
+                    continue
+            if both and exact_budget is not None:
+                plan.exact_left -= len(seq.ids)
             plan.left -= n
             final = seq.phase == "fill" or not req.exact_prefill  # this pass's KV and logits are kept
             row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
@@ -87,12 +101,13 @@ class PrefillSteps(Lifecycle):
             The prompt tokens that went through.
         """
         rerouted = self._run(first, finished, decoding)
-        left = first.left
-        if rerouted and left > 0:
-            second = self._plan(rerouted, left)
+        tokens = first.budget - first.left
+        budget = first.left if first.exact_budget is None else first.exact_budget
+        if rerouted and budget > 0:
+            second = self._plan(rerouted, budget)
             self._run(second, finished, [])
-            left = second.left
-        return first.budget - left
+            tokens += second.budget - second.left
+        return tokens
 
     def _run(self, plan: Pass, finished: Finished, decoding: list[Sequence]) -> list[Sequence]:
         """Run ``plan``'s forwards, ``decoding``'s decode rows riding in its batched one.

@@ -203,11 +203,18 @@ def test_submit_errors(engine: Engine) -> None:
         SamplingParams(temperature=-1)
 
 
-@pytest.mark.parametrize(("budget", "steps_to_first"), [(512, 1), (None, 2)])
+@pytest.mark.parametrize(("budget", "running", "steps_to_first"),
+                         [(512, False, 1), (512, True, 1), (None, True, 2), (None, False, 1)])
 def test_exact_routing_refills_in_the_same_step_when_the_budget_allows(tiny: LoadedModel, budget: int | None,
-                                                                       steps_to_first: int) -> None:
-    """Routing pass and exact pass share a step while the prefill budget holds both (one step less to TTFT)."""
-    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512))
+                                                                       running: bool, steps_to_first: int) -> None:
+    """Routing pass and exact pass share a step while the prefill budget holds both (one step less to TTFT).
+
+    With no running rows the budget bounds each forward: a budget of one pass still holds both."""
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512, max_decode_skips=0))
+    if running:
+        other = engine.submit(GenerationRequest(prompt=PROMPTS[1], sampling=SamplingParams(
+            max_tokens=200, temperature=0.0, ignore_eos=True)))
+        engine.step()
     handle = engine.submit(GenerationRequest(
         prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
         prefill_weights=(1.0, 0.0), weight_fn=lambda state, ids: ([0.4, 0.6], {}), exact_prefill=True))
@@ -219,6 +226,8 @@ def test_exact_routing_refills_in_the_same_step_when_the_budget_allows(tiny: Loa
         engine.step()
         steps += 1
     assert steps == steps_to_first
+    if running:
+        other.cancel()
     while engine.step():
         pass
     direct = engine.generate([GenerationRequest(prompt=PROMPTS[0], sampling=greedy(), adapter_names=("g", "l1"),
@@ -226,13 +235,21 @@ def test_exact_routing_refills_in_the_same_step_when_the_budget_allows(tiny: Loa
     assert handle.result().token_ids == direct.token_ids
 
 
-def test_a_burst_of_routed_prompts_gets_first_tokens_in_arrival_order(tiny: LoadedModel) -> None:
-    """A step whose budget holds one request's two passes runs both for the first prompt, not the routing
-    passes of two: the first request gets its first token after one step, the rest after later ones."""
+@pytest.mark.parametrize(("running", "expected"), [(True, [0, 1, 2]), (False, [0, 0, 1])])
+def test_a_burst_of_routed_prompts_gets_first_tokens_in_arrival_order(tiny: LoadedModel, running: bool,
+                                                                      expected: list[int]) -> None:
+    """Beside running rows, a step whose budget holds one request's two passes runs both for the first
+    prompt, not the routing passes of two: the first request gets its first token after one step, the
+    rest after later ones. With no running rows the exact passes get a budget of their own: the step
+    routes as many prompts as that budget holds and runs their exact passes in a second forward."""
     same = "one two three four five six"  # equal lengths: every prompt needs the same budget
     engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_prefill_tokens=512, prefix_cache_slots=0,
                                                            max_decode_skips=8))
     n = len(engine.tokenizer(same, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    if running:
+        other = engine.submit(GenerationRequest(prompt=same, sampling=SamplingParams(
+            max_tokens=200, temperature=0.0, ignore_eos=True)))
+        engine.step()
     engine.config = dataclasses.replace(engine.config, max_prefill_tokens=2 * n + 1)
     handles = [engine.submit(GenerationRequest(
         prompt=same, sampling=greedy(2), adapter_names=("g", "l1"), adapter_weights=(1.0, 0.0),
@@ -244,7 +261,9 @@ def test_a_burst_of_routed_prompts_gets_first_tokens_in_arrival_order(tiny: Load
         engine.step()
         started.append([len(s.output) for s in seqs])
     first = [next(i for i, row in enumerate(started) if row[b]) for b in range(3)]
-    assert first == [0, 1, 2]  # all routing passes first would give no first token after the first step
+    assert first == expected  # all routing passes first would give no first token after the first step
+    if running:
+        other.cancel()
     while engine.step():
         pass
     assert all(h.result().finish_reason == "length" for h in handles)
