@@ -281,14 +281,15 @@ class Engine(PrefillSteps):
                 with torch.inference_mode():
                     self._expire(finished)
                     self._admit()
-                    decoding = [s for s in self._active if s.phase == "decode" and s.output]
-                    budget = self.config.max_prefill_tokens
-                    first = self._plan([s for s in self._active if s.phase in ("route", "fill")], budget,
-                                       reserve=True, exact_budget=None if decoding else budget)
-                    if decoding and self._waiting_for_first_tokens() and self._skipped < self.config.max_decode_skips:
+                    running = [s for s in self._active if s.phase == "decode" and s.output]
+                    decoding = running
+                    if running and self._waiting_for_first_tokens() and self._skipped < self.config.max_decode_skips:
                         self._skipped, decoding = self._skipped + 1, []
                     else:
                         self._skipped = 0
+                    budget = self.config.max_prefill_tokens  # with no running rows it bounds each forward
+                    first = self._plan([s for s in self._active if s.phase in ("route", "fill")], budget,
+                                       reserve=True, exact_budget=None if running else budget)
                     tokens, rows = self._prefill(first, decoding, finished), len(decoding)
                 seconds = time.perf_counter() - started
             finally:

@@ -10,7 +10,7 @@ budget bounds each forward instead (its activations): the exact passes of the pr
 first forward run in a second forward of their own budget. A burst of routed prompts then takes one
 step of two forwards rather than a second step that reads the weights twice more for its last
 prompts. Whether the step then decodes is the engine's choice (:meth:`Engine.step`, made
-on the planned first pass); when it does, the running rows' decode rides in the first pass's batched
+before its first pass is planned); when it does, the running rows' decode rides in the first pass's batched
 forward on the fused runner (:meth:`serving.executor.Executor.mixed`), so a mixed step reads the
 weights once per pass instead of once more for the decode. A row whose prefill ends in a step takes
 its next token in the following step.
