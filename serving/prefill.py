@@ -76,11 +76,9 @@ class PrefillSteps(Lifecycle):
             n = min(len(seq.ids) - seq.filled, plan.left)
             req = seq.handle.request
             both = seq.phase == "route" and req.exact_prefill and seq.filled + n == len(seq.ids)
-            if reserve and both and (plan.plain or plan.solo):
-                if exact_budget is None and n + len(seq.ids) > plan.left:
-                    continue
-                if exact_budget is not None and len(seq.ids) > plan.exact_left:
-                    continue
+            room = plan.left - n if exact_budget is None else plan.exact_left  # for the exact pass
+            if reserve and both and len(seq.ids) > room and (plan.plain or plan.solo):
+                continue
             if both and exact_budget is not None:
                 plan.exact_left -= len(seq.ids)
             plan.left -= n
