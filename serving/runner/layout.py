@@ -110,3 +110,11 @@ def compute_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         copy = weight.detach().to(dtype).contiguous()
     weight._fedmosaic_compute_copy = (dtype, weight._version, copy)  # type: ignore[attr-defined]
     return copy
+
+
+def forget_compute_copy(weight: torch.Tensor, copy: torch.Tensor) -> None:
+    """Drop ``weight``'s cached compute copy when it is ``copy`` (its one reader has copied it elsewhere,
+    the adapter slots' ``[W; A]``), so the memory is freed; a later :func:`compute_copy` makes a new one."""
+    cached = getattr(weight, "_fedmosaic_compute_copy", None)
+    if cached is not None and cached[2] is copy:
+        del weight._fedmosaic_compute_copy  # type: ignore[attr-defined]

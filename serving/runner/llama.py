@@ -6,13 +6,15 @@ This forward reads the same parameters (no second copy: q/k/v and gate/up become
 matrix each, shared with the HF modules) and runs, per layer, one RMSNorm with the residual add,
 one q/k/v GEMM, one rotary + KV-write kernel, one attention kernel over each row's own slot and
 length, one o GEMM, one RMSNorm, one gate/up GEMM, one SiLU-mul, one down GEMM, and for adapters two
-GEMMs per adapted group (:mod:`serving.runner.lora_slots`). A decode step has static shapes and no
+GEMMs per adapted group, or one more where ``A`` is folded under the group's matrix
+(:mod:`serving.runner.lora_slots`). A decode step has static shapes and no
 host synchronisation, so :mod:`serving.runner.graphs` can capture it as a CUDA graph.
 
 Numerics follow HF's LlamaRMSNorm, rotary embedding and SiLU MLP (same rounding points); the KV
 cache holds the compute dtype. Under the ``autocast-bf16`` policy (fp32 weights, bf16 compute: the
 CPU default where bf16 is native) the matrices are kept once more in bf16 (half the model's size
-again): autocast would otherwise cast every weight on every call, about 40% of a CPU decode step. In
+again; the adapter slots hold the adapted groups' copies, each with its ``A`` stack under it): autocast
+would otherwise cast every weight on every call, about 40% of a CPU decode step. In
 float32 on CPU the matrices are stored in-feature-major instead (:mod:`serving.runner.layout`).
 
 Supported: ``llama``, ``mistral`` (no sliding window below the context) and ``qwen2`` configs with
@@ -33,7 +35,7 @@ from adapters import AdaptedModel, MultiLoraLinear
 from serving import kernels
 from serving.kv import SlotKV
 from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
-from serving.runner.layout import compute_copy, fuse, head_logits, in_feature_major, reorder
+from serving.runner.layout import compute_copy, forget_compute_copy, fuse, head_logits, in_feature_major, reorder
 from serving.runner.lora_slots import GROUPS, LoraSlots
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -121,7 +123,9 @@ class LlamaRunner:
             self.norm_w.append((ln1.weight, ln2.weight, float(ln1.variance_epsilon), float(ln2.variance_epsilon)))
         self.splits = [int(_base(self.mods[0][t]).out_features) for t in GROUPS["qkv"]]
         self.head_weight = self.lm_head.weight
-        if kv.dtype != self.embed.weight.dtype and kv.dtype == torch.bfloat16:  # autocast-bf16: cast once
+        sources = [dict(per) for per in self.weights]  # the model's own matrices
+        own = kv.dtype != self.embed.weight.dtype and kv.dtype == torch.bfloat16  # autocast-bf16: cast once
+        if own:
             for per in self.weights:
                 for key, w in per.items():
                     per[key] = compute_copy(w, kv.dtype) if w is not None and w.dim() == 2 else w
@@ -131,8 +135,15 @@ class LlamaRunner:
             positions = torch.arange(kv.max_len, device=kv.device).unsqueeze(0)
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=residual, device=kv.device), positions)
         self.cos, self.sin = cos[0], sin[0]  # (max_len, D) in the residual stream's dtype
-        self.slots = (LoraSlots(adapted, self.mods, lora_capacity, lora_rank, kv.dtype, kv.device, grow=grow_rank)
+        # the slots take over the compute copies of the adapted groups (A folded under W: one GEMM, not two)
+        self.slots = (LoraSlots(adapted, self.mods, lora_capacity, lora_rank, kv.dtype, kv.device, grow=grow_rank,
+                                bases=self.weights if own else None)
                       if adapted is not None else None)
+        if self.slots is not None:
+            for per, source, folded in zip(self.weights, sources, self.slots.folded, strict=True):
+                for group in folded:
+                    forget_compute_copy(source[group], per.pop(group))  # type: ignore[arg-type]
+                    per.pop(group + "_bias")
 
     # --- what runs here -------------------------------------------------------------------------
 
@@ -176,6 +187,8 @@ class LlamaRunner:
     # --- the forward ----------------------------------------------------------------------------
 
     def _linear(self, x: torch.Tensor, layer: int, group: str, lora: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.slots is not None and group in self.slots.folded[layer]:
+            return self.slots.linear(layer, group, x, lora.get(group))
         w = self.weights[layer]
         y = F.linear(x, w[group], w[group + "_bias"])  # type: ignore[arg-type]
         if group in lora and self.slots is not None:

@@ -15,6 +15,12 @@ this), and the stacks have fixed addresses, so a CUDA graph captured over the fi
 stays valid while adapters move in and out of slots. A slot is filled when a step first needs its
 adapter and reused while the adapter (its internal, versioned name and its tensors) is unchanged.
 
+Where the runner holds its own compute copy of a group's base matrix ``W`` (the CPU default policy,
+``autocast-bf16``: nobody else reads that copy), the slots take it over and keep ``A`` under it in one
+taller matrix ``[W; A]``: one GEMM gives the base output and ``x @ A^T`` together (``y`` and ``h`` are
+column blocks of its result, the same products as two GEMMs), which saves a call per adapted group per
+layer, about 1-1.7 ms of a 44 ms SmolLM2 decode step of 8 FedDPA rows on a 2-core CPU.
+
 Every slot holds the stacks' rank, a smaller adapter zero-padded, and a step reads the padding too.
 Without CUDA graphs the rank therefore follows the adapters: it starts at 0 (no stacks) and grows to
 the largest rank a step has needed, up to ``max_lora_rank`` (the stacks are remade and the slots
@@ -30,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from adapters import AdaptedModel, MultiLoraLinear
 from serving.runner.layout import in_feature_major
@@ -67,10 +74,15 @@ class LoraSlots:
         device: the model's device.
         grow: start at rank 0 and grow to the largest rank placed so far (at most ``rank``); without
             it the stacks have rank ``rank`` from the start and never move (CUDA graphs).
+        bases: per decoder layer, the runner's own compute copies (group -> ``(d_out, d_in)`` matrix,
+            ``group + "_bias"`` -> bias or None) to fold each adapted group's ``A`` stack under (see the
+            module docstring); the runner then computes those groups with :meth:`linear` and may drop
+            its copies. None: separate ``A`` stacks.
     """
 
     def __init__(self, adapted: AdaptedModel, layers: Sequence[dict[str, torch.nn.Module]], capacity: int, rank: int,
-                 dtype: torch.dtype, device: torch.device, grow: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, grow: bool = False,
+                 bases: Sequence[dict[str, torch.Tensor | None]] | None = None) -> None:
         self.adapted, self.capacity, self.max_rank = adapted, capacity, rank
         self.rank = 0 if grow else rank  # the rank every slot holds now
         self.dtype, self.device = dtype, device
@@ -89,6 +101,15 @@ class LoraSlots:
                 start += width
             d_in = int(mods[targets[0]].in_features)  # type: ignore[union-attr]
             self.layouts[group] = GroupLayout(adapted_targets, tuple(columns), d_in, start)
+        # per layer, folded group -> ([W; A] (d_out + S*nt*r, d_in), [b; 0] or None)
+        self.folded: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in self.layers]
+        if bases is not None and not in_feature_major(device, dtype):
+            for folded, base in zip(self.folded, bases, strict=True):
+                for group in self.layouts:
+                    w = base[group]
+                    assert w is not None and w.dtype == dtype and w.shape == (self.layouts[group].d_out,
+                                                                              self.layouts[group].d_in)
+                    folded[group] = (w, base.get(group + "_bias"))
         self.stacks = self._allocate(self.rank)
         self.names: list[str | None] = [None] * capacity  # slot -> internal adapter name
         self.scaling = [0.0] * capacity
@@ -100,13 +121,21 @@ class LoraSlots:
         """Zeroed stacks of ``rank``: per layer, group -> (A (S*nt*r, d_in), Bt (S*nt*r, d_out))."""
         stacks = []
         major = in_feature_major(self.device, self.dtype)
-        for _ in self.layers:
+        for folded in self.folded:
             per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
             for group, lay in self.layouts.items():
                 rows = self.capacity * len(lay.targets) * rank
+                if group in folded:  # [W; A]: the base rows kept (from the copy, or the previous [W; A])
+                    w, b = folded[group]
+                    ext = torch.zeros(lay.d_out + rows, lay.d_in, dtype=self.dtype, device=self.device)
+                    ext[: lay.d_out] = w[: lay.d_out]
+                    folded[group] = (ext, None if b is None else torch.cat([b[: lay.d_out], b.new_zeros(rows)]))
+                    a = ext[lay.d_out:]
                 # A in-feature-major where that is the fast GEMM form (CPU float32: serving.runner.layout)
-                a = (torch.zeros(lay.d_in, rows, dtype=self.dtype, device=self.device).t() if major
-                     else torch.zeros(rows, lay.d_in, dtype=self.dtype, device=self.device))
+                elif major:
+                    a = torch.zeros(lay.d_in, rows, dtype=self.dtype, device=self.device).t()
+                else:
+                    a = torch.zeros(rows, lay.d_in, dtype=self.dtype, device=self.device)
                 per[group] = (a, torch.zeros(rows, lay.d_out, dtype=self.dtype, device=self.device))
             stacks.append(per)
         return stacks
@@ -235,3 +264,25 @@ class LoraSlots:
         rows = wexp.shape[1]
         h = torch.mm(x.to(A.dtype), A[:rows].t()) * wexp  # (N, R_b)
         y.addmm_(h.to(y.dtype), Bt[:rows].to(y.dtype))
+
+    def linear(self, layer: int, group: str, x: torch.Tensor, wexp: torch.Tensor | None) -> torch.Tensor:
+        """A folded group's ``x W^T + b``, plus ``((x @ A^T) * wexp) @ Bt`` with ``wexp``, from one ``[W; A]`` GEMM.
+
+        Args:
+            layer: decoder layer index.
+            group: a group in ``folded[layer]``.
+            x: (N, d_in) the group's input.
+            wexp: (N, R_b) from :meth:`expand`, or None for the base output alone.
+
+        Returns:
+            (N, d_out); with ``wexp`` a column block of the GEMM's (N, d_out + R_b) result, updated in place.
+        """
+        ext, bias = self.folded[layer][group]
+        d_out = self.layouts[group].d_out
+        rows = 0 if wexp is None else wexp.shape[1]
+        z = F.linear(x, ext[: d_out + rows], None if bias is None else bias[: d_out + rows])  # (N, d_out + R_b)
+        if wexp is None:
+            return z
+        y, h = z[:, :d_out], z[:, d_out:] * wexp  # h: (N, R_b) weighted x @ A^T
+        y.addmm_(h.to(y.dtype), self.stacks[layer][group][1][:rows].to(y.dtype))
+        return y

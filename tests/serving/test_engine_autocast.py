@@ -39,3 +39,49 @@ def test_autocast_requests_complete(autocast_tiny: LoadedModel, names: tuple[str
                 for p in ("The capital of France is", "Sort these words")]
     results = engine.generate(requests)
     assert [(r.finish_reason, r.error, r.completion_tokens) for r in results] == [("length", None, 6)] * 2
+
+
+def test_folded_a_stacks_give_the_products_of_separate_ones(autocast_tiny: LoadedModel) -> None:
+    """Under autocast-bf16 the slots keep each A stack under the group's compute copy ([W; A], one GEMM):
+    the same base output and the same adapter products as two GEMMs over separate stacks, bit for bit,
+    through a rank growth that remakes [W; A]; and the runner's own copy is freed (one copy in memory)."""
+    import torch
+    import torch.nn.functional as F
+
+    from adapters import LoraConfig
+    from serving.kv import SlotKV
+    from serving.runner.llama import LlamaRunner
+    from serving.runner.lora_slots import LoraSlots
+    from tests.serving.helpers import randomize
+
+    adapted = adapted_with(autocast_tiny)
+    adapted.add_adapter("wide", LoraConfig(r=8, alpha=8.0, dropout=0.0), seed=7)
+    randomize(adapted, "wide", seed=107)
+    c = autocast_tiny.model.config
+    kv = SlotKV(c.num_hidden_layers, 4, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, 64,
+                torch.bfloat16, torch.device("cpu"))
+    runner = LlamaRunner(autocast_tiny.model, adapted, kv, autocast_tiny.autocast, lora_capacity=4, lora_rank=8,
+                         grow_rank=True)
+    slots = runner.slots
+    assert slots is not None and set(slots.folded[0]) == set(slots.layouts) and "qkv" not in runner.weights[0]
+    fused = autocast_tiny.model.model.layers[0].self_attn.q_proj.base_layer.__dict__["_fedmosaic_fused_weight"]
+    assert getattr(fused, "_fedmosaic_compute_copy", None) is None  # the slots' [W; A] is the only bf16 copy
+    separate = LoraSlots(adapted, runner.mods, 4, 8, torch.bfloat16, torch.device("cpu"), grow=True)
+    gen = torch.Generator().manual_seed(0)
+    for names in (("g", "l1"), ("g", "l2", "wide")):  # rank 4, then 8: [W; A] is remade with W kept
+        pairs = [[(s, 0.5) for s in slots.place(names)], [(slots.place(names)[-1], 1.0)]]
+        w = slots.weights(pairs, max(s for row in pairs for s, _ in row) + 1)
+        separate.place(names)
+        for layer in range(len(runner.mods)):
+            for group, lay in slots.layouts.items():
+                W = slots.folded[layer][group][0][: lay.d_out]
+                x = torch.randn(2, lay.d_in, generator=gen).to(torch.bfloat16)
+                wexp = slots.expand(w, group).to(torch.bfloat16)
+                with autocast_tiny.autocast():
+                    got = slots.linear(layer, group, x, wexp)
+                    base = slots.linear(layer, group, x, None)
+                    want = F.linear(x, W)
+                    assert torch.equal(base, want)
+                    separate.apply(layer, group, x, want, wexp)
+                assert torch.equal(got, want) and not torch.equal(got, base)  # the adapters were added
+        assert torch.equal(slots.folded[0]["qkv"][0][: fused.shape[0]], fused.to(torch.bfloat16))
