@@ -69,9 +69,9 @@ def test_folded_a_stacks_give_the_products_of_separate_ones(autocast_tiny: Loade
     separate = LoraSlots(adapted, runner.mods, 4, 8, torch.bfloat16, torch.device("cpu"), grow=True)
     gen = torch.Generator().manual_seed(0)
     for names in (("g", "l1"), ("g", "l2", "wide")):  # rank 4, then 8: [W; A] is remade with W kept
-        pairs = [[(s, 0.5) for s in slots.place(names)], [(slots.place(names)[-1], 1.0)]]
-        w = slots.weights(pairs, max(s for row in pairs for s, _ in row) + 1)
-        separate.place(names)
+        where = slots.place(names)
+        assert separate.place(names) == where
+        w = slots.weights([[(s, 0.5) for s in where], [(where[-1], 1.0)]], max(where) + 1)
         for layer in range(len(runner.mods)):
             for group, lay in slots.layouts.items():
                 W = slots.folded[layer][group][0][: lay.d_out]
