@@ -48,6 +48,8 @@ from serving.errors import (
     InvalidRequest,
     NoFreeSlot,
     PathNotAllowed,
+    path_reason,
+    shown_path,
 )
 from serving.model_lock import ModelLock
 from serving.pool_run import ClientFiles, RunInfo, register_run
@@ -125,13 +127,28 @@ class AdapterPool(PoolViews):
 
         Raises:
             PathNotAllowed: it resolves outside the root (``..``, absolute paths, symlinks).
+            AdapterLoadFailed: it is no usable path (``~user`` of an unknown user, a symlink loop, a NUL
+                byte, a name longer than the file system allows).
         """
-        raw = Path(path).expanduser()
-        if not raw.is_absolute() and self.root is not None:
-            raw = self.root / raw
-        resolved = raw.resolve()
+        shown = shown_path(path)
+        try:
+            raw = Path(path).expanduser()
+        except RuntimeError as exc:
+            raise AdapterLoadFailed(f"adapter path {shown} starts with '~' but names no home folder here") from exc
+        try:
+            if not raw.is_absolute() and self.root is not None:
+                raw = self.root / raw
+            resolved = raw.resolve()
+        except RuntimeError as exc:  # a symlink loop
+            raise AdapterLoadFailed(f"adapter path {shown} cannot be resolved: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise AdapterLoadFailed(f"adapter path {shown} is not a usable path: {path_reason(exc)}") from exc
         if self.root is not None and not resolved.is_relative_to(self.root):
-            raise PathNotAllowed(f"adapter path {str(path)!r} resolves outside the adapter root {self.root}")
+            raise PathNotAllowed(f"adapter path {shown} resolves outside the adapter root {self.root}")
+        try:
+            resolved.exists()  # the checks after this one stat the folder: a name too long fails here, once
+        except OSError as exc:
+            raise AdapterLoadFailed(f"adapter path {shown} is not a usable path: {path_reason(exc)}") from exc
         return resolved
 
     # --- registration --------------------------------------------------------------------------

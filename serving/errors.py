@@ -70,3 +70,14 @@ class AdapterPinned(ServingError):
 
 class NameReserved(ServingError):
     """A runtime load asked for a name the server reserves: the base model, ``global``, a client (HTTP 400)."""
+
+
+def shown_path(path: object, limit: int = 120) -> str:
+    """``path`` quoted for an error message, cut to ``limit`` characters (a hostile path may be huge)."""
+    text = str(path)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def path_reason(exc: OSError | ValueError) -> str:
+    """Why the OS (or pathlib) refused a path, without repeating the path itself."""
+    return (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)

@@ -173,6 +173,12 @@ def test_runtime_load_and_unload(client: TestClient, root: Path) -> None:
     assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "../outside"}), 403,
                  "path_not_allowed")
     assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "missing"}), 400)
+    # paths the OS cannot take: 400 naming the problem, never 500 (found by schemathesis on a live server)
+    for path, why in (("~no-such-user-xyz", "names no home folder"), ("x" * 3000, "not a usable path"),
+                      ("a\x00b", "not a usable path")):
+        error = assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}), 400,
+                             "adapter_load_failed")
+        assert why in error["message"] and len(error["message"]) < 300  # the huge path is cut
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}).status_code == 200
     assert_error(client.post("/v1/chat/completions", json={**CHAT, "model": "extra"}), 404)
     assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}), 404)

@@ -65,6 +65,8 @@ def test_confinement_and_errors(run: Path) -> None:
     assert error(http.get("/v1/run/files/run.json"), 403)["code"] == "path_not_allowed"
     assert "only" in error(http.get("/v1/run/files/eval/notes.txt"), 400)["message"]
     assert "GET /v1/run/files" in error(http.get("/v1/run/files/eval/missing.md"), 404)["message"]
+    assert "not a usable path" in error(http.get("/v1/run/files/eval/" + "x" * 5000 + ".md"), 400)["message"]
+    assert error(http.get("/v1/run/files/eval/%00.md"), 400)["type"] == "BadRequestError"
     assert error(http.get("/v1/run/files/eval/predictions/final/cache.json"), 404)["type"] == "NotFoundError"
     assert error(http.get("/v1/run/files", headers={"Authorization": "Bearer wrong"}), 401)["code"] == "unauthorized"
 

@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse
 
 from serving.api.dependencies import get_settings, require_admin
 from serving.api.openapi import errors
-from serving.errors import PathNotAllowed
+from serving.errors import PathNotAllowed, path_reason, shown_path
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -71,11 +71,21 @@ def get_run_file(path: str, request: Request) -> FileResponse:
         HTTPException: 404 for a missing or unlisted file, 400 for a suffix that is never served.
     """
     run, root = _eval_root(request)
-    target = (run / path).resolve()
+    shown = shown_path(path)
+    try:
+        target = (run / path).resolve()
+    except RuntimeError as exc:  # a symlink loop
+        raise HTTPException(400, f"{shown} cannot be resolved: {exc}") from exc
+    except (OSError, ValueError) as exc:  # a NUL byte
+        raise HTTPException(400, f"{shown} is not a usable path: {path_reason(exc)}") from exc
     if not target.is_relative_to(root):
-        raise PathNotAllowed(f"{path!r} is outside the run's {EVAL_DIR}/ folder")
+        raise PathNotAllowed(f"{shown} is outside the run's {EVAL_DIR}/ folder")
     if target.suffix not in MEDIA_TYPES:
-        raise HTTPException(400, f"only {sorted(MEDIA_TYPES)} files are served, not {path!r}")
-    if not _listed(target, root):
-        raise HTTPException(404, f"no evaluation file {path!r}; list them with GET /v1/run/files")
+        raise HTTPException(400, f"only {sorted(MEDIA_TYPES)} files are served, not {shown}")
+    try:
+        listed = _listed(target, root)
+    except OSError as exc:  # a name longer than the file system allows
+        raise HTTPException(400, f"{shown} is not a usable path: {path_reason(exc)}") from exc
+    if not listed:
+        raise HTTPException(404, f"no evaluation file {shown}; list them with GET /v1/run/files")
     return FileResponse(target, media_type=MEDIA_TYPES[target.suffix])
