@@ -48,7 +48,7 @@ from serving.errors import (
     InvalidRequest,
     NoFreeSlot,
     PathNotAllowed,
-    path_reason,
+    path_problem,
     shown_path,
 )
 from serving.model_lock import ModelLock
@@ -139,16 +139,14 @@ class AdapterPool(PoolViews):
             if not raw.is_absolute() and self.root is not None:
                 raw = self.root / raw
             resolved = raw.resolve()
-        except RuntimeError as exc:  # a symlink loop
-            raise AdapterLoadFailed(f"adapter path {shown} cannot be resolved: {exc}") from exc
-        except (OSError, ValueError) as exc:
-            raise AdapterLoadFailed(f"adapter path {shown} is not a usable path: {path_reason(exc)}") from exc
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise AdapterLoadFailed(f"adapter path {shown} {path_problem(exc)}") from exc
         if self.root is not None and not resolved.is_relative_to(self.root):
             raise PathNotAllowed(f"adapter path {shown} resolves outside the adapter root {self.root}")
         try:
             resolved.exists()  # the checks after this one stat the folder: a name too long fails here, once
         except OSError as exc:
-            raise AdapterLoadFailed(f"adapter path {shown} is not a usable path: {path_reason(exc)}") from exc
+            raise AdapterLoadFailed(f"adapter path {shown} {path_problem(exc)}") from exc
         return resolved
 
     # --- registration --------------------------------------------------------------------------

@@ -78,6 +78,9 @@ def shown_path(path: object, limit: int = 120) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def path_reason(exc: OSError | ValueError) -> str:
-    """Why the OS (or pathlib) refused a path, without repeating the path itself."""
-    return (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+def path_problem(exc: RuntimeError | OSError | ValueError) -> str:
+    """What is wrong with a path pathlib or the OS refused (a symlink loop, a NUL byte, a name longer
+    than the file system allows), worded to follow the path in a message, without repeating it."""
+    if isinstance(exc, RuntimeError):
+        return f"cannot be resolved: {exc}"
+    return f"is not a usable path: {(exc.strerror or str(exc)) if isinstance(exc, OSError) else exc}"

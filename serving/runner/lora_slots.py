@@ -283,6 +283,6 @@ class LoraSlots:
         z = F.linear(x, ext[: d_out + rows], None if bias is None else bias[: d_out + rows])  # (N, d_out + R_b)
         if wexp is None:
             return z
-        y, h = z[:, :d_out], z[:, d_out:] * wexp  # h: (N, R_b) weighted x @ A^T
-        y.addmm_(h.to(y.dtype), self.stacks[layer][group][1][:rows].to(y.dtype))
+        y, h = z[:, :d_out], z[:, d_out:] * wexp  # h: (N, R_b) weighted x @ A^T, all in the stacks' dtype
+        y.addmm_(h, self.stacks[layer][group][1][:rows])
         return y

@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse
 
 from serving.api.dependencies import get_settings, require_admin
 from serving.api.openapi import errors
-from serving.errors import PathNotAllowed, path_reason, shown_path
+from serving.errors import PathNotAllowed, path_problem, shown_path
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -74,10 +74,8 @@ def get_run_file(path: str, request: Request) -> FileResponse:
     shown = shown_path(path)
     try:
         target = (run / path).resolve()
-    except RuntimeError as exc:  # a symlink loop
-        raise HTTPException(400, f"{shown} cannot be resolved: {exc}") from exc
-    except (OSError, ValueError) as exc:  # a NUL byte
-        raise HTTPException(400, f"{shown} is not a usable path: {path_reason(exc)}") from exc
+    except (RuntimeError, OSError, ValueError) as exc:  # a symlink loop, a NUL byte
+        raise HTTPException(400, f"{shown} {path_problem(exc)}") from exc
     if not target.is_relative_to(root):
         raise PathNotAllowed(f"{shown} is outside the run's {EVAL_DIR}/ folder")
     if target.suffix not in MEDIA_TYPES:
@@ -85,7 +83,7 @@ def get_run_file(path: str, request: Request) -> FileResponse:
     try:
         listed = _listed(target, root)
     except OSError as exc:  # a name longer than the file system allows
-        raise HTTPException(400, f"{shown} is not a usable path: {path_reason(exc)}") from exc
+        raise HTTPException(400, f"{shown} {path_problem(exc)}") from exc
     if not listed:
         raise HTTPException(404, f"no evaluation file {shown}; list them with GET /v1/run/files")
     return FileResponse(target, media_type=MEDIA_TYPES[target.suffix])
