@@ -11,7 +11,8 @@ Placement only (names, versions, capacity); the math lives in :mod:`adapters`. R
 * At most ``max_loras`` adapters are loaded; loading or reactivating one more evicts the least
   recently used one that is neither pinned nor leased. Evicted adapters stay registered and are
   reloaded from their folder (under a new version) when next used. Nothing evictable: NoFreeSlot.
-* Adapter paths are resolved (symlinks included) and must stay inside the configured root.
+* Adapter paths are resolved (symlinks included) and must stay inside the configured root
+  (:mod:`serving.client_paths`).
 
 A training run directory (:mod:`adapters.rundir`) registers ``global`` and ``<client>:local`` for each
 client (:mod:`serving.pool_run`), and records each client's embedding files for FedDPA routing (paper
@@ -32,7 +33,6 @@ that client's assignment only), which the request carries to the engine.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,30 +40,13 @@ from pathlib import Path
 from adapters import AdaptedModel, AdapterError, load_adapter
 from adapters.io import CONFIG_FILE, WEIGHTS_FILE
 from serving.amole_router import AMoLEClientRoute, AMoLERegistry, amole_folder, client_names, load_bundle, unload_bundle
-from serving.errors import (
-    AdapterExists,
-    AdapterLoadFailed,
-    AdapterNotFound,
-    AdapterPinned,
-    InvalidRequest,
-    NoFreeSlot,
-    PathNotAllowed,
-    path_problem,
-    shown_path,
-)
+from serving.client_paths import check_adapter_name, resolve_adapter_path
+from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, AdapterPinned, InvalidRequest, NoFreeSlot
 from serving.model_lock import ModelLock
 from serving.pool_run import ClientFiles, RunInfo, register_run
 from serving.pool_views import AdapterInfo, Entry, PoolViews
 
 __all__ = ["AdapterInfo", "AdapterPool", "ClientFiles", "Lease", "RunInfo"]
-
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
-
-
-def _check_name(name: str) -> None:
-    """Refuse a name that is not a plain adapter name (AdapterLoadFailed)."""
-    if not _NAME.match(name) or name.endswith(":"):
-        raise AdapterLoadFailed(f"invalid adapter name {name!r}: use letters, digits, '_', '-', '.', ':'")
 
 
 class Lease:
@@ -123,31 +106,8 @@ class AdapterPool(PoolViews):
     # --- paths ---------------------------------------------------------------------------------
 
     def resolve(self, path: str | Path) -> Path:
-        """Resolve ``path`` (relative ones against the root) and check it stays inside the root.
-
-        Raises:
-            PathNotAllowed: it resolves outside the root (``..``, absolute paths, symlinks).
-            AdapterLoadFailed: it is no usable path (``~user`` of an unknown user, a symlink loop, a NUL
-                byte, a name longer than the file system allows).
-        """
-        shown = shown_path(path)
-        try:
-            raw = Path(path).expanduser()
-        except RuntimeError as exc:
-            raise AdapterLoadFailed(f"adapter path {shown} starts with '~' but names no home folder here") from exc
-        try:
-            if not raw.is_absolute() and self.root is not None:
-                raw = self.root / raw
-            resolved = raw.resolve()
-        except (RuntimeError, OSError, ValueError) as exc:
-            raise AdapterLoadFailed(f"adapter path {shown} {path_problem(exc)}") from exc
-        if self.root is not None and not resolved.is_relative_to(self.root):
-            raise PathNotAllowed(f"adapter path {shown} resolves outside the adapter root {self.root}")
-        try:
-            resolved.exists()  # the checks after this one stat the folder: a name too long fails here, once
-        except OSError as exc:
-            raise AdapterLoadFailed(f"adapter path {shown} {path_problem(exc)}") from exc
-        return resolved
+        """Resolve ``path`` inside the pool's root (:func:`serving.client_paths.resolve_adapter_path`)."""
+        return resolve_adapter_path(path, self.root)
 
     # --- registration --------------------------------------------------------------------------
 
@@ -162,7 +122,7 @@ class AdapterPool(PoolViews):
                 ``replace`` is False.
             PathNotAllowed, AdapterLoadFailed, NoFreeSlot: see the module docstring.
         """
-        _check_name(name)
+        check_adapter_name(name)
         folder = self.resolve(path)
         amole = amole_folder(folder)
         if amole is None and (folder / "run.json").is_file():
@@ -196,7 +156,7 @@ class AdapterPool(PoolViews):
             AdapterExists: ``name`` is registered and ``replace`` is False.
             PathNotAllowed, AdapterLoadFailed: see :meth:`load`.
         """
-        _check_name(name)
+        check_adapter_name(name)
         folder = self.resolve(path)
         missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
         if missing:

@@ -70,17 +70,3 @@ class AdapterPinned(ServingError):
 
 class NameReserved(ServingError):
     """A runtime load asked for a name the server reserves: the base model, ``global``, a client (HTTP 400)."""
-
-
-def shown_path(path: object, limit: int = 120) -> str:
-    """``path`` quoted for an error message, cut to ``limit`` characters (a hostile path may be huge)."""
-    text = str(path)
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-def path_problem(exc: RuntimeError | OSError | ValueError) -> str:
-    """What is wrong with a path pathlib or the OS refused (a symlink loop, a NUL byte, a name longer
-    than the file system allows), worded to follow the path in a message, without repeating it."""
-    if isinstance(exc, RuntimeError):
-        return f"cannot be resolved: {exc}"
-    return f"is not a usable path: {(exc.strerror or str(exc)) if isinstance(exc, OSError) else exc}"
