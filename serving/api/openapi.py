@@ -39,11 +39,36 @@ def text(media_type: str = "text/plain", description: str = "Successful Response
     return {200: {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}}
 
 
+def _completion(objects: list[str]) -> dict[str, Any]:
+    """The fields every completion body or chunk has (``object`` one of ``objects``)."""
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"enum": objects}, "created": {"type": "integer"},
+                           "model": {"type": "string"}, "choices": {"type": "array", "items": {"type": "object"}},
+                           "usage": {"type": "object"}, "fedmosaic": {"type": "object"}}}
+
+
+# One server-sent event as Open API 3.1 tools read an event stream's ``schema`` (3.2's ``itemSchema``):
+# its ``data`` is a JSON chunk, the error envelope when a choice fails after the headers went out, or
+# ``[DONE]``, always last.
+SSE_EVENT = {
+    "type": "object", "required": ["data"],
+    "properties": {
+        "data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"anyOf": [_completion(["chat.completion.chunk", "text_completion"]), ERROR_REF]}},
+        ]},
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+    },
+}
+
+
 def json_or_sse() -> dict[int | str, dict[str, Any]]:
-    """A 200 answered as JSON, or as server-sent events when the request asks to stream."""
-    return {200: {"description": "the completion (JSON), or with `stream: true` server-sent events",
-                  "content": {"application/json": {"schema": {"type": "object"}},
-                              "text/event-stream": {"schema": {"type": "string"}}}}}
+    """A 200 answered as JSON, or as server-sent events (:data:`SSE_EVENT` each) when the request streams."""
+    return {200: {"description": "the completion (JSON), or with `stream: true` server-sent events, each a "
+                                 "`data:` line holding one JSON chunk, the last `data: [DONE]`",
+                  "content": {"application/json": {"schema": _completion(["chat.completion", "text_completion"])},
+                              "text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def _limits(components: dict[str, Any], app: FastAPI) -> None:

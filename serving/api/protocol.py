@@ -33,9 +33,13 @@ def _unsupported(what: str) -> PydanticCustomError:
 
 
 class Strict(BaseModel):
-    """Request models: every field declared, anything else refused by name."""
+    """Request models: every field declared, anything else refused by name, each value of its documented type.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict types: ``true`` is no integer and ``0`` no boolean, ``"16"`` no ``max_tokens`` (an integer
+    is still a number); the OpenAPI document promises these types, so what it calls invalid is refused.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class AdapterWeight(Strict):

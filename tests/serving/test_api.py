@@ -179,6 +179,11 @@ def test_runtime_load_and_unload(client: TestClient, root: Path) -> None:
         error = assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}), 400,
                              "adapter_load_failed")
         assert why in error["message"] and len(error["message"]) < 300  # the huge path is cut
+    # vLLM's bodies with values of another type: refused, not coerced (0 is no boolean, false no integer)
+    assert assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": "extra",
+                                                                   "load_inplace": 0}), 400)["param"] == "load_inplace"
+    assert assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "extra", "lora_int_id": False}),
+                        400)["param"] == "lora_int_id"
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}).status_code == 200
     assert_error(client.post("/v1/chat/completions", json={**CHAT, "model": "extra"}), 404)
     assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}), 404)

@@ -252,6 +252,23 @@ def test_fields_not_supported_are_refused_by_name(client: TestClient, field: str
     assert error["param"].split(".")[0] == field and field in error["message"]
 
 
+@pytest.mark.parametrize(("path", "field", "value"), [
+    ("/v1/completions", "min_tokens", True), ("/v1/completions", "max_tokens", "4"),
+    ("/v1/completions", "max_tokens", 4.0), ("/v1/completions", "stream", 0), ("/v1/completions", "echo", "false"),
+    ("/v1/completions", "logprobs", True), ("/v1/completions", "stop_token_ids", [True]),
+    ("/v1/chat/completions", "logprobs", 1), ("/v1/chat/completions", "seed", False),
+    ("/v1/chat/completions", "temperature", "0.5"),
+])
+def test_values_of_another_type_are_refused_not_coerced(client: TestClient, path: str, field: str,
+                                                        value: Any) -> None:
+    """The OpenAPI document's types hold: ``true`` is no integer, ``0`` no boolean, ``"4"`` no number."""
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, field: value}
+    body.update({"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].split(".")[0] == field
+
+
 def test_completion_fields_refused_by_name_and_neutral_values_accepted(client: TestClient) -> None:
     for field, value in (("best_of", 2), ("suffix", "end"), ("prompt", []), ("prompt", [[]]), ("min_tokens", 50),
                          ("n", 100)):

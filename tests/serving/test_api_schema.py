@@ -11,6 +11,7 @@ requests no JSON schema can describe (a prompt the chat template rejects, ``min_
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,7 @@ import httpx
 import pytest
 import uvicorn
 
+from adapters.io import CONFIG_FILE
 from models import tiny_llama
 from serving.api import create_app
 from serving.settings import ServeSettings
@@ -109,8 +111,17 @@ def test_every_answered_status_is_documented_with_the_error_model(root: Path) ->
     assert "securitySchemes" not in create_app(ServeSettings(model="tiny")).openapi()["components"]
 
 
+def fuzz_env(root: Path) -> dict[str, str]:
+    """The environment that points most fuzzed bodies at served models and real folders (the hooks module)."""
+    folders = sorted(config.parent.relative_to(root) for config in root.rglob(CONFIG_FILE))
+    return {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+            "FEDMOSAIC_FUZZ_MODELS": "tiny,global,sorting,capitals:local",
+            "FEDMOSAIC_FUZZ_FOLDERS": ",".join(map(str, folders))}
+
+
 @pytest.mark.parametrize("key", [ADMIN, USER])
-def test_schemathesis_with_all_checks(url: str, tmp_path: Path, key: str) -> None:
+def test_schemathesis_with_all_checks(url: str, root: Path, tmp_path: Path, key: str) -> None:
     pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")
     exe = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
     assert exe is not None
@@ -118,8 +129,27 @@ def test_schemathesis_with_all_checks(url: str, tmp_path: Path, key: str) -> Non
     config.write_text(CONFIG)
     run = subprocess.run(
         [exe, "--config-file", str(config), "run", f"{url}/openapi.json", "--checks", "all",
-         "-H", f"Authorization: Bearer {key}", "--max-examples", "15", "--workers", "1", "--seed", "15",
+         "-H", f"Authorization: Bearer {key}", "--max-examples", "30", "--workers", "1", "--seed", "15",
          "--continue-on-failure"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=fuzz_env(root))
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "Test cases:" in run.stdout and "failures" not in run.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_answers_and_event_streams_match_their_documented_schemas(url: str, path: str, stream: bool) -> None:
+    """Each JSON body, and each server-sent event of a stream ([DONE] last), passes schemathesis' checks."""
+    schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    body: dict[str, object] = {"model": "sorting", "max_tokens": 4, "stream": stream, "temperature": 0}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "Sort: b a"}]
+    else:
+        body["prompt"] = ["Sort: b a", "Sort: d c"]  # two choices interleave in one stream
+    case = schema[path]["POST"].Case(body=body, headers={"Authorization": f"Bearer {USER}"})
+    response = case.call()
+    assert response.status_code == 200, response.text
+    if stream:
+        assert response.text.rstrip().endswith("data: [DONE]")
+    case.validate_response(response)  # raises on any violation (ST108 for an event)
