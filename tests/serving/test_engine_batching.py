@@ -192,6 +192,17 @@ def test_sampling_follows_the_distribution_and_the_seed() -> None:
     assert a == b
 
 
+def test_greedy_rows_take_argmax_with_its_ties_nans_and_dtypes() -> None:
+    """Greedy picks what torch.argmax picks (HF generate's rule): the first maximum, a NaN's index if any."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (16, 500), generator=gen).float()  # many tied maxima per row
+    logits[2, 7] = float("nan")
+    logits[5] = float("-inf")
+    greedy = [SamplingParams(temperature=0)] * 16
+    for rows in (logits, logits.bfloat16(), logits.t().contiguous().t()):  # bf16, and transposed in memory
+        assert sample_batch(rows, greedy, [None] * 16) == torch.argmax(rows.float(), dim=-1).tolist()
+
+
 @pytest.mark.parametrize("stop", [(), ("ab",), ("x y", "z")])
 def test_incremental_text_equals_a_full_decode(tokenizer: object, stop: tuple[str, ...]) -> None:
     gen = torch.Generator().manual_seed(1)
