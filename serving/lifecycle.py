@@ -182,8 +182,9 @@ class Lifecycle:
             seq.state_sum = out.state_sum if seq.state_sum is None else seq.state_sum + out.state_sum
         if seq.filled < len(seq.ids):
             return False
-        if seq.slot is not None:
-            self.prefixes.remember(seq.adapters, seq.ids, seq.slot)
+        if seq.slot is not None:  # a routed request's fill pass is its exact pass, at weights routed for its prompt
+            own = req.weight_fn is not None and seq.phase == "fill"
+            self.prefixes.remember(seq.adapters, seq.ids, seq.slot, own=own)
         if seq.phase == "route":
             assert req.weight_fn is not None and out.state is not None
             state = out.state if req.state_pooling == "last" else seq.state_sum / len(seq.ids)  # type: ignore[operator]

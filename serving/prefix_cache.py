@@ -11,6 +11,10 @@ between them and leave the others to other keys. Chat prompts share their templa
 prompt, so requests for one target (an adapter, a fixed mixture, the base) share them, and so do the
 FedDPA routing passes (paper 000 section 4.3) of every client's requests: each runs the global
 adapter alone, like a request for ``global`` (``Lifecycle._reuse_prefix`` says which passes take part).
+A pass at weights routed for its own prompt (a FedDPA exact pass) matches only that prompt again, so it
+never pushes out another key's spare: it takes a free spare or one held by another such pass, and such
+spares go first. (A burst of eight clients' exact passes would otherwise push out the global adapter's
+system prompt before any routing pass reused it, burst after burst.)
 
 Keys are the engine-internal adapter names (``<name>@<version>``, so a reloaded adapter never
 matches), the weights, and the identity of each adapter's tensors (an adapter changed in place does
@@ -36,6 +40,7 @@ class _Entry:
     tokens: tuple[int, ...]
     used: int
     hits: int = 0  # reuses of this spare's prefix (kept when a prompt sharing it replaces the prompt)
+    own: bool = False  # weights routed for this prompt: only the same prompt can match it
 
 
 class PrefixCache:
@@ -96,8 +101,13 @@ class PrefixCache:
         self.reused_tokens += n
         return n
 
-    def remember(self, adapters: RowAdapters, ids: Sequence[int], slot: int) -> None:
-        """Keep the prompt ``ids`` that ``slot`` holds under ``adapters`` (unless a spare already does)."""
+    def remember(self, adapters: RowAdapters, ids: Sequence[int], slot: int, own: bool = False) -> None:
+        """Keep the prompt ``ids`` that ``slot`` holds under ``adapters`` (unless a spare already does).
+
+        Args:
+            own: the weights were routed for this prompt (an exact pass): keep it only in a free spare
+                or in place of another such prompt, never evicting a prefix other prompts may share.
+        """
         key = self.key(adapters)
         if key is None or not self.kv.spare_slots:
             return
@@ -105,15 +115,18 @@ class PrefixCache:
         if shared >= len(ids):
             return
         hits = 0
-        if shared == 0:  # a new prefix: a free spare, else the least recently used, never-reused ones first
+        if shared == 0:  # a new prefix: a free spare, else the least recently used: own, then never-reused first
             free = [s for s in self.kv.spare_slots if s not in self._entries]
-            spare = free[0] if free else min(self._entries,
-                                             key=lambda s: (self._entries[s].hits > 0, self._entries[s].used))
+            held = [s for s in self._entries if self._entries[s].own or not own]
+            if not free and not held:
+                return
+            spare = free[0] if free else min(held, key=lambda s: (not self._entries[s].own,
+                                                                  self._entries[s].hits > 0, self._entries[s].used))
         else:  # the entry sharing the longest prefix under this key: the new prompt holds that prefix too, so
             hits = self._entries[spare].hits  # prompts after one system prompt keep one spare, not all of them
         self._copy(slot, spare, len(ids))
         self._tick += 1
-        self._entries[spare] = _Entry(key, tuple(ids), self._tick, hits)
+        self._entries[spare] = _Entry(key, tuple(ids), self._tick, hits, own)
 
     def clear(self) -> None:
         """Forget every entry (the cache was reset)."""

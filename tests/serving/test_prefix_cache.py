@@ -89,10 +89,10 @@ def test_prompt_logprobs_compute_every_token(engines: tuple[Engine, Engine]) -> 
     assert cached.prefixes.hits == 0 and again.prompt_logprobs == first.prompt_logprobs
 
 
-def routed(question: str, states: list[torch.Tensor], pooling: str = "last") -> GenerationRequest:
+def routed(question: str, states: list[torch.Tensor], pooling: str = "last", a: float = 0.5) -> GenerationRequest:
     def route(state: torch.Tensor, ids: object) -> tuple[tuple[float, float], dict[str, object]]:
         states.append(state)
-        return (0.5, 0.5), {}
+        return (1 - a, a), {}
 
     return GenerationRequest(prompt=SYSTEM + question, adapter_names=("g", "l1"), adapter_weights=(0.5, 0.5),
                              prefill_weights=(1.0, 0.0), weight_fn=route, exact_prefill=True, state_pooling=pooling,
@@ -131,6 +131,36 @@ def test_routing_passes_share_the_prefix_of_the_global_adapter_alone(engines: tu
     cached.generate([routed("Name a fruit.", seen)])  # both passes of the repeat reuse: routing and exact
     assert cached.prefixes.hits == 3
     torch.testing.assert_close(seen[1], reference[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_burst_of_exact_passes_keeps_the_prefix_every_routing_pass_shares(engines: tuple[Engine, Engine]) -> None:
+    """Clients' exact passes (each at weights routed for its own prompt) go in together after their routing
+    passes, before any later prompt could reuse the global adapter's prefix: they must not push it out."""
+    cached, plain = engines  # two spares
+    questions = ("Name a colour.", "Name a fruit.", "Name a bird.")
+
+    def burst() -> list[list[int]]:
+        requests = [routed(q, [], a=a) for q, a in zip(questions, (0.2, 0.4, 0.6), strict=True)]
+        return [r.token_ids for r in cached.generate(requests)]
+
+    first = burst()
+    assert cached.prefixes.hits == 0
+    assert first == [r.token_ids for r in plain.generate([routed(q, [], a=a) for q, a in
+                                                         zip(questions, (0.2, 0.4, 0.6), strict=True)])]
+    assert burst() == first
+    assert cached.prefixes.hits == 3 + 1  # every routing pass, and the last exact pass (kept) for its repeat
+    assert sum(e.own for e in cached.prefixes._entries.values()) == 1  # the three took one spare in turn
+
+
+def test_a_pass_at_its_own_weights_is_dropped_rather_than_evict(tiny: LoadedModel) -> None:
+    engine = Engine(tiny, adapted_with(tiny), EngineConfig(max_batch_size=2, prefix_cache_slots=1))
+    alone = GenerationRequest(prompt=SYSTEM + "Name a tree.", adapter_names=("g",), adapter_weights=(1.0,),
+                              sampling=SamplingParams(max_tokens=1, temperature=0))
+    engine.generate([alone])
+    engine.generate([routed("Name a colour.", [], a=0.3)])  # its routing pass replaced `alone` (shared prefix)
+    engine.generate([alone])
+    assert engine.prefixes.hits == 2  # the routing pass, then `alone`: the exact pass kept nothing
+    assert [e.own for e in engine.prefixes._entries.values()] == [False]
 
 
 def test_a_routing_pass_pooling_the_mean_computes_every_token(engines: tuple[Engine, Engine]) -> None:
