@@ -15,8 +15,9 @@ this), and the stacks have fixed addresses, so a CUDA graph captured over the fi
 stays valid while adapters move in and out of slots. A slot is filled when a step first needs its
 adapter and reused while the adapter (its internal, versioned name and its tensors) is unchanged.
 
-Where the runner holds its own compute copy of a group's base matrix ``W`` (the CPU default policy,
-``autocast-bf16``: nobody else reads that copy), the slots take it over and keep ``A`` under it in one
+Where the runner holds its own plain compute copy of a group's base matrix ``W`` (``autocast-bf16`` on a
+CPU whose torch lacks oneDNN's packed form, which is faster still and stays with the runner: nobody
+else reads that copy), the slots take it over and keep ``A`` under it in one
 taller matrix ``[W; A]``: one GEMM gives the base output and ``x @ A^T`` together (``y`` and ``h`` are
 column blocks of its result, the same products as two GEMMs), which saves a call per adapted group per
 layer, about 1-1.7 ms of a 44 ms SmolLM2 decode step of 8 FedDPA rows on a 2-core CPU.

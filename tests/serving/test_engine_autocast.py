@@ -41,11 +41,15 @@ def test_autocast_requests_complete(autocast_tiny: LoadedModel, names: tuple[str
     assert [(r.finish_reason, r.error, r.completion_tokens) for r in results] == [("length", None, 6)] * 2
 
 
-def test_folded_a_stacks_give_the_products_of_separate_ones(autocast_tiny: LoadedModel) -> None:
-    """Under autocast-bf16 the slots keep each A stack under the group's compute copy ([W; A], one GEMM):
-    the same base output and the same adapter products as two GEMMs over separate stacks, bit for bit,
-    through a rank growth that remakes [W; A]; and the runner's own copy is freed (one copy in memory)."""
+def test_folded_a_stacks_give_the_products_of_separate_ones(autocast_tiny: LoadedModel,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under autocast-bf16 without oneDNN's packed form the slots keep each A stack under the group's plain
+    compute copy ([W; A], one GEMM): the same base output and the same adapter products as two GEMMs over
+    separate stacks, bit for bit, through a rank growth that remakes [W; A]; and the runner's own copy is
+    freed (one copy in memory)."""
     import torch
+
+    monkeypatch.setattr("serving.runner.llama.packs", lambda device, dtype: False)
     import torch.nn.functional as F
 
     from adapters import LoraConfig
