@@ -167,11 +167,17 @@ def packed_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     cached = getattr(weight, "_fedmosaic_packed_copy", None) if versioned else None
     if cached is not None and cached[0] == dtype and cached[1] == weight._version:
         return cached[2]  # type: ignore[no-any-return]
-    with torch.inference_mode(False), torch.no_grad():  # one plain copy at a time: the transient memory
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 8)
+    packed = pack(weight, dtype)
     if versioned:
         weight._fedmosaic_packed_copy = (dtype, weight._version, packed)  # type: ignore[attr-defined]
     return packed  # type: ignore[no-any-return]
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new copy of the ``(out, in)`` matrix ``weight`` in ``dtype`` and oneDNN's packed form (uncached)."""
+    with torch.inference_mode(False), torch.no_grad():  # one plain copy at a time: the transient memory
+        # 8: the row count oneDNN blocks for (a decode step); other counts compute the same products
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 8)  # type: ignore[no-any-return]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -154,7 +154,7 @@ class LlamaRunner:
         # the slots take over plain compute copies of the adapted groups (A folded under W: one GEMM, not two);
         # packed ones stay here (the packed GEMM saves more than the fold, and a packed matrix cannot grow)
         self.slots = (LoraSlots(adapted, self.mods, lora_capacity, lora_rank, kv.dtype, kv.device, grow=grow_rank,
-                                bases=self.weights if own and not self.packed else None)
+                                bases=self.weights if own and not self.packed else None, packed=self.packed)
                       if adapted is not None else None)
         if self.slots is not None:
             for per, source, folded in zip(self.weights, sources, self.slots.folded, strict=True):
