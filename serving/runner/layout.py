@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -117,12 +117,21 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def compute_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` in ``dtype`` (row-major), made once per weight and shared by every engine on the model
     (remade when the weight changed in place since)."""
-    cached = getattr(weight, "_fedmosaic_compute_copy", None)
+    return _cached_copy(weight, dtype, "_fedmosaic_compute_copy", lambda w: w.to(dtype).contiguous())
+
+
+def _cached_copy(weight: torch.Tensor, dtype: torch.dtype, attr: str,
+                 make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``make(weight)``, kept on ``weight`` under ``attr`` with ``dtype`` and the weight's in-place version;
+    an inference tensor, which keeps no version, gets a new copy each time."""
+    versioned = not weight.is_inference()
+    cached = getattr(weight, attr, None) if versioned else None
     if cached is not None and cached[0] == dtype and cached[1] == weight._version:
         return cached[2]  # type: ignore[no-any-return]
-    with torch.inference_mode(False), torch.no_grad():
-        copy = weight.detach().to(dtype).contiguous()
-    weight._fedmosaic_compute_copy = (dtype, weight._version, copy)  # type: ignore[attr-defined]
+    with torch.inference_mode(False), torch.no_grad():  # one plain copy at a time: the transient memory
+        copy = make(weight.detach())
+    if versioned:
+        setattr(weight, attr, (dtype, weight._version, copy))
     return copy
 
 
@@ -160,23 +169,15 @@ def _packed_linear_works() -> bool:
 
 def packed_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` in ``dtype`` and oneDNN's packed form, for :func:`linear`; made once per weight and shared
-    by every engine on the model (remade when the weight changed in place since; an inference tensor, which
-    keeps no version, is packed anew each time). Call where :func:`packs`.
+    by every engine on the model like :func:`compute_copy`. Call where :func:`packs`.
     """
-    versioned = not weight.is_inference()
-    cached = getattr(weight, "_fedmosaic_packed_copy", None) if versioned else None
-    if cached is not None and cached[0] == dtype and cached[1] == weight._version:
-        return cached[2]  # type: ignore[no-any-return]
-    packed = pack(weight, dtype)
-    if versioned:
-        weight._fedmosaic_packed_copy = (dtype, weight._version, packed)  # type: ignore[attr-defined]
-    return packed  # type: ignore[no-any-return]
+    return _cached_copy(weight, dtype, "_fedmosaic_packed_copy", lambda w: pack(w, dtype))
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new copy of the ``(out, in)`` matrix ``weight`` in ``dtype`` and oneDNN's packed form (uncached)."""
-    with torch.inference_mode(False), torch.no_grad():  # one plain copy at a time: the transient memory
-        # 8: the row count oneDNN blocks for (a decode step); other counts compute the same products
+    with torch.inference_mode(False), torch.no_grad():
+        # 8: the row count oneDNN blocks for (a decode step); a step of any row count can use the copy
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 8)  # type: ignore[no-any-return]
 
 

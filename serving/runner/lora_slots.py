@@ -271,13 +271,13 @@ class LoraSlots:
             y: (N, d_out) the group's base output, updated in place.
             wexp: (N, R_b) from :meth:`expand`, in the stacks' dtype.
         """
-        A, Bt = self.stacks[layer][group]
         rows = wexp.shape[1]
         if self.packed:
             width, a, bt = self._packed_rows(layer, group, rows)
             h = linear(x, a, None) * (wexp if width == rows else F.pad(wexp, (0, width - rows)))  # (N, R)
             y += linear(h, bt, None)
             return
+        A, Bt = self.stacks[layer][group]
         h = torch.mm(x.to(A.dtype), A[:rows].t()) * wexp  # (N, R_b)
         y.addmm_(h.to(y.dtype), Bt[:rows].to(y.dtype))
 
