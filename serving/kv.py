@@ -6,8 +6,8 @@ paging: a slot is a contiguous row, so a decode step never copies the cache, it 
 row's new position). The last slot is scratch: padded batch rows and padding tokens write there, so
 a padded batch (a CUDA graph bucket, the HF runner's left-padded prefill) never touches a real sequence.
 Spare slots after it hold recent prompts for :mod:`serving.prefix_cache`; no row ever reads them.
-A released slot's values are zeroed where its owner wrote, so every stale value a batch reads at
-weight 0 is finite (the attention then needs no masked copy of the cache).
+A released slot's keys and values are zeroed where its owner wrote, so every stale cell a batch reads
+at weight 0 is finite (the attention then needs no masked copy of the cache).
 
 On CUDA the buffers are allocated at full length once (their addresses must stay fixed for captured
 CUDA graphs); on the CPU they start short and double on demand up to ``max_len``, so a server with a
@@ -83,13 +83,13 @@ class SlotKV:
         return self._free.pop() if self._free else None
 
     def release(self, slot: int, written: int | None = None) -> None:
-        """Give a slot back, its value cells zeroed over the positions its owner may have written.
+        """Give a slot back, its key and value cells zeroed over the positions its owner may have written.
 
         The attention reads a batch's rows up to the longest one and weights each row's positions past
-        its own length by an exact 0, which leaves the result unchanged only while the stale value is
-        finite (0 x NaN is NaN): an owner whose adapter produced NaN must not poison the next owner, so
-        every value cell past a row's length holds a finite value (zeros, or an earlier finite owner's).
-        Keys need no zeroing: the scores of those positions are replaced by the mask.
+        its own length by an exact 0, which leaves the result unchanged only while the stale cells are
+        finite (SDPA adds the mask to the scores, so a NaN key stays NaN; 0 x NaN is NaN): an owner whose
+        adapter produced NaN must not poison the next owner, so every cell past a row's length holds a
+        finite value (zeros, or an earlier finite owner's).
 
         Args:
             slot: the slot to free.
@@ -98,14 +98,16 @@ class SlotKV:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"slot {slot} is not owned")
         end = self.capacity if written is None else min(max(int(written), 0), self.capacity)
-        for v in self.v:
+        for k, v in zip(self.k, self.v, strict=True):
+            k[slot, :, :end].zero_()
             v[slot, :, :end].zero_()
         self._free.append(slot)
         self._free.sort(reverse=True)
 
     def reset(self) -> None:
-        """Forget every owner (after an engine failure) and zero the values; buffers are kept."""
-        for v in self.v:
+        """Forget every owner (after an engine failure) and zero the keys and values; buffers are kept."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k.zero_()
             v.zero_()
         self._free = list(range(self.num_slots - 1, -1, -1))
 

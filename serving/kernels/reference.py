@@ -2,9 +2,16 @@
 
 Each function rounds at the same points as the Hugging Face Llama modules it replaces (one rounding to
 the activation dtype per PyTorch op), so a model run through these functions gives the same tensors as
-`transformers`' LlamaRMSNorm, apply_rotary_pos_emb and LlamaMLP. Attention computes its scores, softmax and
-weighted sum in float32 and rounds once at the end (HF's eager attention rounds the scores to the
-activation dtype first; the results agree to the activation dtype's precision, not bit for bit).
+`transformers`' LlamaRMSNorm, apply_rotary_pos_emb and LlamaMLP. Attention is PyTorch's fused SDPA on the
+cache dtype, as HF's SDPA attention under autocast: scores and softmax in float32, the weights rounded to
+the cache dtype for the weighted sum, which accumulates in float32 and rounds once at the end. It reads
+the bf16 cache as it is: converting the rows to float32 first wrote and re-read twice their bytes, 40% of
+a 64-row decode step's attention on a CPU. On CUDA, where the Triton kernels serve and this module is
+their yardstick, the attention weights stay in float32 (the kernels' own rounding), and decode attention
+materialises its scores (capturable in a CUDA graph).
+
+Stale cache cells (past a row's length) are read at weight 0 and must be finite, keys included:
+``SlotKV.release`` zeroes what an owner wrote.
 
 Nothing here synchronises with a GPU when the tensors are on CUDA (no `.item()`, no data-dependent
 shapes), so the reference is also CUDA-graph capturable; on CPU the attention functions read the caches
@@ -16,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# A large finite negative score for masked positions: a row with no valid position then gets uniform
-# weights over finite stale values (a finite result of no meaning) instead of NaN.
+# A large finite negative score for masked positions (CUDA's decode path): a row with no valid position
+# then gets uniform weights over finite stale values (a finite result of no meaning) instead of NaN.
 _MASKED = torch.finfo(torch.float32).min
 
 
@@ -110,9 +117,10 @@ def _consecutive(cache: torch.Tensor, slots: torch.Tensor) -> int | None:
 def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' caches up to the longest row, and which positions are valid.
 
-    Positions past a row's length hold stale cells: keys may hold anything (their scores are replaced
-    by the mask), values must be finite (their exact 0 weight then adds an exact 0; ``SlotKV.release``
-    zeroes what an owner wrote, so a NaN-producing request cannot poison its slot's next owner).
+    Positions past a row's length hold stale cells that must be finite, keys and values alike (SDPA adds
+    the mask to the scores, so a NaN key would survive it, and a NaN value times its exact 0 weight is
+    NaN): ``SlotKV.release`` zeroes what an owner wrote, so a NaN-producing request cannot poison its
+    slot's next owner.
 
     Args:
         cache: (S, Hkv, Lmax, D).
@@ -120,16 +128,17 @@ def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
         lengths: (B,) int64 valid positions per row.
 
     Returns:
-        (rows, valid): rows (B, Hkv, L, D) in float32, valid (B, L) bool. Read-only: on CPU, consecutive
-        slots give a view of the cache (a gather, or a masked copy, costs as much as the attention it
-        feeds there). L is Lmax on CUDA (no host synchronisation) and the longest row's length on CPU.
+        (rows, valid): rows (B, Hkv, L, D) in the cache dtype, valid (B, L) bool, position 0 valid in
+        every row (an empty padding row then reads finite stale cells instead of producing NaN).
+        Read-only: on CPU, consecutive slots give a view of the cache. L is Lmax on CUDA (no host
+        synchronisation) and the longest row's length on CPU.
     """
     length = cache.shape[2] if cache.is_cuda else int(lengths.max())
-    valid = torch.arange(length, device=cache.device)[None, :] < lengths[:, None]  # (B, L)
+    valid = torch.arange(length, device=cache.device)[None, :] < lengths.clamp(min=1)[:, None]  # (B, L)
     first = _consecutive(cache, slots)
     if first is not None:
-        return cache[first: first + slots.shape[0], :, :length].float(), valid  # (B, Hkv, L, D), no copy
-    return cache[:, :, :length].index_select(0, slots).float(), valid  # 5x a fancy index on CPU
+        return cache[first: first + slots.shape[0], :, :length], valid  # (B, Hkv, L, D), no copy
+    return cache[:, :, :length].index_select(0, slots), valid  # 5x a fancy index on CPU
 
 
 def decode_attention(
@@ -155,15 +164,18 @@ def decode_attention(
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
-        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
-        v, _ = _gather_rows(v_cache, slots, lengths)
-        qg = q.float().view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
-        # batched matmuls, not einsum: on a CPU einsum's permuted copies cost as much as the products
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (B, Hkv, G, L)
-        scores = scores.masked_fill_(~valid[:, None, None, :], _MASKED)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v)  # (B, Hkv, G, D)
+    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+    v, _ = _gather_rows(v_cache, slots, lengths)
+    # a kv head's G query heads are G queries of one attention over that head: no repeated K/V
+    qg = q.view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
+    with torch.autocast(q.device.type, enabled=False):  # as documented, whatever autocast is on
+        if q.is_cuda:  # the Triton kernel's yardstick: float32 weights, materialised scores (capturable)
+            scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale  # (B, Hkv, G, L)
+            probs = torch.softmax(scores.masked_fill_(~valid[:, None, None, :], _MASKED), dim=-1)
+            out = torch.matmul(probs, v.float())  # (B, Hkv, G, D)
+        else:
+            out = F.scaled_dot_product_attention(qg.to(k.dtype), k, v, attn_mask=valid[:, None, None, :],
+                                                 scale=scale)  # (B, Hkv, G, D)
     return out.reshape(b, hq, d).to(q.dtype)
 
 
@@ -192,20 +204,18 @@ def prefill_attention(
         queries (t >= n_b) get finite values of no meaning.
     """
     t = q.shape[1]
-    with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever autocast is on
-        k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
-        v, _ = _gather_rows(v_cache, slots, lengths)
-        # SDPA adds the mask to the scores, so a stale NaN key would survive it (the cache promises finite
-        # stale values only): zero the keys past each row's length, a copy as small as one query's scores
-        k = k.masked_fill(~valid[:, None, :, None], 0.0)
-        query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
-        key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
-        # (B, T, L): every query sees position 0 at least, so no row of the softmax is fully masked
-        allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, None, :]
+    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
+    v, _ = _gather_rows(v_cache, slots, lengths)
+    query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
+    key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
+    # (B, T, L): every query sees position 0 at least, so no row of the softmax is fully masked
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, None, :]
+    dtype = torch.float32 if q.is_cuda else k.dtype  # as decode_attention: float32 weights on CUDA
+    with torch.autocast(q.device.type, enabled=False):  # as documented, whatever autocast is on
         # one fused kernel (flash attention on CPU and CUDA) instead of materialised (B, Hq, T, L) scores:
         # 6x faster for a 512-token prompt on a CPU
-        out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=allowed[:, None],
-                                             scale=scale, enable_gqa=True)  # (B, Hq, T, D)
+        out = F.scaled_dot_product_attention(q.to(dtype).transpose(1, 2), k.to(dtype), v.to(dtype),
+                                             attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, Hq, T, D)
     return out.transpose(1, 2).to(q.dtype)
 
 

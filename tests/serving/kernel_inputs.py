@@ -1,7 +1,8 @@
-"""Random inputs for the serving.kernels tests (CPU interpreter and CUDA): fresh data, NaN-poisoned caches.
+"""Random inputs for the serving.kernels tests (CPU interpreter and CUDA): fresh data, poisoned caches.
 
-Every cache cell that a kernel must neither read nor write holds NaN, so a stray read shows up as NaN in
-the output and a stray write as a NaN that disappeared.
+Every cache cell that a kernel must not write holds NaN (rotary cases) or a huge finite value (attention
+cases: stale cells are finite by the cache's contract, and a kernel reads them at weight 0 at most), so a
+stray write shows up as a NaN that disappeared and a stray read as a huge value in the output.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def rand(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
 
 @dataclass
 class AttentionCase:
-    """A decode / prefill attention input: caches valid up to each row's length, NaN elsewhere."""
+    """A decode / prefill attention input: caches valid up to each row's length, 1e4 elsewhere."""
 
     q: torch.Tensor  # (B, Hq, D) or (B, T, Hq, D)
     k_cache: torch.Tensor  # (S, Hkv, Lmax, D)
@@ -58,8 +59,9 @@ def attention_case(
     gen = torch.Generator().manual_seed(seed)
     b = len(lengths)
     s = b + 1
-    # stale cells: NaN keys (any key is masked), large finite values (the cache's contract, SlotKV.release)
-    k_cache = torch.full((s, hkv, lmax, d), float("nan"), dtype=dtype, device=device)
+    # stale cells: large finite keys and values (the cache's contract: SlotKV.release zeroes what an owner
+    # wrote; SDPA adds the mask to the scores, so a NaN key would survive it)
+    k_cache = torch.full((s, hkv, lmax, d), 1e4, dtype=dtype, device=device)
     v_cache = torch.full((s, hkv, lmax, d), 1e4, dtype=dtype, device=device)
     slots = torch.arange(s - 1, 0, -1, device=device)  # rows S-1 .. 1; row 0 stays stale
     for row, length in zip(slots.tolist(), lengths, strict=True):

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (  # noqa: E402
 
 from serving import kernels  # noqa: E402
 from serving.kernels import reference  # noqa: E402
-from tests.serving.kernel_inputs import attention_case, rand, rotary_case  # noqa: E402
+from tests.serving.kernel_inputs import AttentionCase, attention_case, rand, rotary_case  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -60,6 +60,20 @@ def assert_near(out: torch.Tensor, ref: torch.Tensor, exact_share: float = 0.0) 
         assert (out == ref).float().mean().item() >= exact_share
     else:
         torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6)
+
+
+def assert_attention_near(out: torch.Tensor, ref: torch.Tensor, c: AttentionCase) -> None:
+    """The Triton attention against the CPU reference: float32 as assert_near; bf16 within the rounding of the
+    attention weights, which the CPU's SDPA rounds to bf16 before the weighted sum and the Triton kernel
+    keeps in float32: |error| <= 2^-9 sum_i p_i |v_i| <= 2^-9 max|v| for the weights, plus one output
+    rounding each (2^-9 |out|), so within 2^-7 of the largest valid value."""
+    if out.dtype != torch.bfloat16:
+        assert_near(out, ref)
+        return
+    assert out.dtype == ref.dtype and out.shape == ref.shape and torch.isfinite(out).all()
+    rows = zip(c.slots.tolist(), c.lengths.tolist(), strict=True)
+    vmax = max(c.v_cache[s, :, :n].abs().max().item() for s, n in rows)
+    torch.testing.assert_close(out, ref, rtol=0.0, atol=2**-7 * vmax)
 
 
 # --- the reference against Hugging Face and naive loops -------------------------------------------------------
@@ -125,14 +139,14 @@ def test_reference_decode_attention_is_the_naive_loop(heads: tuple[int, int, int
 def test_reference_attention_reads_slot_ranges_in_place_and_writes_nothing(lengths: list[int],
                                                                            placed: list[int]) -> None:
     """Consecutive slots (read as a view of the cache) and any other placement (gathered) give the naive
-    loop's result, with stale cells in every other slot and past each row's length: NaN keys, and huge
-    finite values (the cache's contract: ``SlotKV.release`` zeroes NaN a past owner wrote)."""
+    loop's result, with stale cells in every other slot and past each row's length: large finite keys and
+    huge finite values (the cache's contract: ``SlotKV.release`` zeroes NaN a past owner wrote)."""
     c = attention_case(9, 3, 16, lmax=20, lengths=lengths, dtype=torch.float32, device="cpu", seed=5)
-    k_cache = torch.full((8, *c.k_cache.shape[1:]), float("nan"))
+    k_cache = torch.full((8, *c.k_cache.shape[1:]), 1e4)
     v_cache = torch.full((8, *c.v_cache.shape[1:]), 3e38)
     slots = torch.tensor(placed)
     valid = torch.arange(20)[None, None, :, None] < c.lengths[:, None, None, None]  # (B, 1, Lmax, 1)
-    k_cache[slots] = torch.where(valid, c.k_cache[c.slots], float("nan"))
+    k_cache[slots] = torch.where(valid, c.k_cache[c.slots], -1e4)
     v_cache[slots] = torch.where(valid, c.v_cache[c.slots], -3e38)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     out = reference.decode_attention(c.q, k_cache, v_cache, slots, c.lengths, c.scale)
@@ -146,8 +160,7 @@ def test_reference_attention_reads_slot_ranges_in_place_and_writes_nothing(lengt
     starts = c.lengths - 1
     pre = reference.prefill_attention(c.q[:, None], k_cache, v_cache, slots, starts, c.lengths, c.scale)
     torch.testing.assert_close(pre[:, 0], gathered)
-    for after, before in ((k_cache, k_before), (v_cache, v_before)):
-        assert torch.equal(after.isnan(), before.isnan()) and torch.equal(after.nan_to_num(), before.nan_to_num())
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
 
 
 def test_reference_prefill_attention_is_the_naive_loop() -> None:
@@ -268,7 +281,7 @@ def test_triton_decode_attention(triton_path: None, dtype: torch.dtype, heads: t
     hq, hkv, d = heads
     c = attention_case(hq, hkv, d, lmax=70, lengths=[1, 70, 33], dtype=dtype, device="cpu", seed=10)
     ref = reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale)
-    assert_near(kernels.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale), ref)  # 1 split
+    assert_attention_near(kernels.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale), ref, c)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -279,7 +292,7 @@ def test_triton_decode_attention_split_and_merged(triton_path: None, dtype: torc
     ref = reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale)
     assert triton_attention.split_plan(90, chunk=32) == (3, 32)
     out = triton_attention.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale, chunk=32)
-    assert_near(out, ref)
+    assert_attention_near(out, ref, c)
     assert triton_attention.split_plan(4096) == (16, 256) and triton_attention.split_plan(65536) == (64, 1024)
     assert triton_attention.split_plan(70) == (1, 128) and triton_attention.split_plan(8) == (1, 16)
 
