@@ -114,8 +114,9 @@ def _consecutive(cache: torch.Tensor, slots: torch.Tensor) -> int | None:
     return s[0] if s == list(range(s[0], s[0] + len(s))) else None
 
 
-def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' caches up to the longest row, and which positions are valid.
+def _gather_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' keys and values up to the longest row, and which positions are valid.
 
     Positions past a row's length hold stale cells that must be finite, keys and values alike (SDPA adds
     the mask to the scores, so a NaN key would survive it, and a NaN value times its exact 0 weight is
@@ -123,22 +124,26 @@ def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
     slot's next owner.
 
     Args:
-        cache: (S, Hkv, Lmax, D).
+        k_cache: (S, Hkv, Lmax, D) key cache.
+        v_cache: (S, Hkv, Lmax, D) value cache (same layout).
         slots: (B,) int64 cache rows.
         lengths: (B,) int64 valid positions per row.
 
     Returns:
-        (rows, valid): rows (B, Hkv, L, D) in the cache dtype, valid (B, L) bool, position 0 valid in
+        (k, v, valid): k and v (B, Hkv, L, D) in the cache dtype, valid (B, L) bool, position 0 valid in
         every row (an empty padding row then reads finite stale cells instead of producing NaN).
         Read-only: on CPU, consecutive slots give a view of the cache. L is Lmax on CUDA (no host
         synchronisation) and the longest row's length on CPU.
     """
-    length = cache.shape[2] if cache.is_cuda else int(lengths.max())
-    valid = torch.arange(length, device=cache.device)[None, :] < lengths.clamp(min=1)[:, None]  # (B, L)
-    first = _consecutive(cache, slots)
-    if first is not None:
-        return cache[first: first + slots.shape[0], :, :length], valid  # (B, Hkv, L, D), no copy
-    return cache[:, :, :length].index_select(0, slots), valid  # 5x a fancy index on CPU
+    # one plan for both caches: the longest length and the slot check each read the host once
+    length = k_cache.shape[2] if k_cache.is_cuda else int(lengths.max())
+    valid = torch.arange(length, device=k_cache.device)[None, :] < lengths.clamp(min=1)[:, None]  # (B, L)
+    first = _consecutive(k_cache, slots)
+    if first is not None:  # (B, Hkv, L, D) views, no copy
+        rows = slice(first, first + slots.shape[0])
+        return k_cache[rows, :, :length], v_cache[rows, :, :length], valid
+    # 5x a fancy index on CPU
+    return k_cache[:, :, :length].index_select(0, slots), v_cache[:, :, :length].index_select(0, slots), valid
 
 
 def decode_attention(
@@ -164,8 +169,7 @@ def decode_attention(
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
-    v, _ = _gather_rows(v_cache, slots, lengths)
+    k, v, valid = _gather_rows(k_cache, v_cache, slots, lengths)  # (B, Hkv, L, D) each, (B, L)
     # a kv head's G query heads are G queries of one attention over that head: no repeated K/V
     qg = q.view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
     with torch.autocast(q.device.type, enabled=False):  # as documented, whatever autocast is on
@@ -204,8 +208,7 @@ def prefill_attention(
         queries (t >= n_b) get finite values of no meaning.
     """
     t = q.shape[1]
-    k, valid = _gather_rows(k_cache, slots, lengths)  # (B, Hkv, L, D), (B, L)
-    v, _ = _gather_rows(v_cache, slots, lengths)
+    k, v, valid = _gather_rows(k_cache, v_cache, slots, lengths)  # (B, Hkv, L, D) each, (B, L)
     query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
     key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
     # (B, T, L): every query sees position 0 at least, so no row of the softmax is fully masked
