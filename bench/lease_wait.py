@@ -4,7 +4,7 @@ The adapter pool's views and leases of adapters already in the model take the po
 (shipped); they used to take the engine's model lock, which the engine holds for a whole step, so a
 request arriving mid-step waited for that step to resolve its target, and for another to lease
 (the engine took the lock back in between). The baseline patches the former locking back in
-(``pool.state = pool.lock``). In one process, for each case in turn:
+(``pool.table.state = pool.lock``). In one process, for each case in turn:
   1. ``--running`` FedDPA requests (``<client>`` targets of :func:`serve_common.build_run`) decode in
      the engine's own thread, as in ``fedmosaic serve``;
   2. ``--arrivals`` requests arrive one after another from a client thread, each at a random moment
@@ -45,13 +45,13 @@ def main() -> None:
                                         engine=EngineConfig(max_batch_size=args.running + 2)), loaded=loaded)
         steps = [0]
         stack.engine.step_observers.append(lambda _: steps.__setitem__(0, steps[0] + 1))
-        shipped = stack.pool.state
+        shipped = stack.pool.table.state
         texts = iter(prompts(loaded.tokenizer, 2_000))
         waited: dict[str, list[int]] = {"state_lock": [], "model_lock": []}
         rng = random.Random(0)
 
         def case(name: str) -> float:
-            stack.pool.state = shipped if name == "state_lock" else stack.pool.lock  # type: ignore[assignment]
+            stack.pool.table.state = shipped if name == "state_lock" else stack.pool.lock  # type: ignore[assignment]
             return arrive(stack, steps, waited[name], texts, rng, args.running, args.arrivals)
 
         stack.engine.start()
@@ -62,7 +62,7 @@ def main() -> None:
                                 args.rounds)
         finally:
             stack.engine.stop()
-            stack.pool.state = shipped
+            stack.pool.table.state = shipped
     ms = {name: median([v * 1000 for v in vals], 1) for name, vals in values.items()}
     n_steps = {name: median([float(v) for v in vals], 1) for name, vals in waited.items()}
     print_json({

@@ -33,18 +33,25 @@ that client's assignment only), which the request carries to the engine.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 from adapters import AdaptedModel, AdapterError, load_adapter
 from adapters.io import CONFIG_FILE, WEIGHTS_FILE
-from serving.amole_router import AMoLEClientRoute, AMoLERegistry, amole_folder, client_names, load_bundle, unload_bundle
+from serving.amole_router import (
+    AMoLEBundle,
+    AMoLEClientRoute,
+    AMoLERegistry,
+    amole_folder,
+    client_names,
+    load_bundle,
+    unload_bundle,
+)
 from serving.client_paths import check_adapter_name, resolve_adapter_path
-from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, AdapterPinned, InvalidRequest, NoFreeSlot
+from serving.errors import AdapterLoadFailed, AdapterNotFound, AdapterPinned, InvalidRequest, NoFreeSlot
 from serving.model_lock import ModelLock
 from serving.pool_run import ClientFiles, RunInfo, register_run
-from serving.pool_views import AdapterInfo, Entry, PoolViews
+from serving.pool_views import AdapterInfo, AdapterTable, Entry
 
 __all__ = ["AdapterInfo", "AdapterPool", "ClientFiles", "Lease", "RunInfo"]
 
@@ -72,8 +79,11 @@ class Lease:
             self.pool._release(self.keys)
 
 
-class AdapterPool(PoolViews):
+class AdapterPool:
     """Named, versioned, capacity-limited adapters in one :class:`~adapters.AdaptedModel`.
+
+    The records and their read-only views are an :class:`~serving.pool_views.AdapterTable` the pool
+    owns (``table``); the pool changes the model's adapters and the records together.
 
     Args:
         adapted: the injected model the adapters live in.
@@ -93,15 +103,47 @@ class AdapterPool(PoolViews):
         self.root = root.resolve() if root is not None else None
         self.max_loras = max_loras
         self.lock = model_lock if model_lock is not None else ModelLock()
-        self.state = threading.RLock()  # the dictionaries below; taken after ``lock`` when both are
         self.check_base = check_base
-        self._entries: dict[str, Entry] = {}
-        self._leases: dict[str, int] = {}  # internal name -> requests holding it
-        self._retired: set[str] = set()  # replaced or unloaded versions still leased
-        self._versions: dict[str, int] = {}  # never reset, so a name's versions never repeat
-        self._tick = 0
         self.amole = amole if amole is not None else AMoLERegistry()
-        self._amole_clients: dict[str, str] = {}  # AMoLE client name -> its entry's name
+        self.table = AdapterTable(self.amole)
+
+    # --- read-only views (the table's: its state lock only, never the model lock) ----------------
+
+    def __contains__(self, name: object) -> bool:
+        """True for a registered LoRA adapter name (:meth:`AdapterTable.__contains__`)."""
+        return name in self.table
+
+    def names(self) -> list[str]:
+        """Registered LoRA adapter names, in registration order."""
+        return self.table.names()
+
+    def amole_models(self) -> list[str]:
+        """Registered AMoLE model names, in registration order."""
+        return self.table.amole_models()
+
+    def amole_clients(self) -> list[str]:
+        """Every AMoLE client served, by model then assignment order."""
+        return self.table.amole_clients()
+
+    def amole_model_of(self, client: str) -> str | None:
+        """The AMoLE model serving ``client``, or None."""
+        return self.table.amole_model_of(client)
+
+    def amole_bundle(self, name: str) -> AMoLEBundle | None:
+        """The loaded version of AMoLE model ``name`` (None while evicted or unknown)."""
+        return self.table.amole_bundle(name)
+
+    def version(self, name: str) -> int | None:
+        """The current version of ``name``, or None."""
+        return self.table.version(name)
+
+    def info(self, name: str | None = None) -> list[AdapterInfo]:
+        """Snapshots of one registered adapter or of all."""
+        return self.table.info(name)
+
+    def loaded_count(self) -> int:
+        """Adapters currently in the model (current versions only)."""
+        return self.table.loaded_count()
 
     # --- paths ---------------------------------------------------------------------------------
 
@@ -132,19 +174,18 @@ class AdapterPool(PoolViews):
             clients = client_names(amole) if amole is not None else ()
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
-        with self.lock, self.state:
-            old = self._registered(name, replace)
-            self._check_names(name, clients)
+        table = self.table
+        with self.lock, table.state:
+            old = table.registered(name, replace)
+            table.check_names(name, clients)
             entry = Entry(name=name, path=amole or folder, pinned=pinned if old is None else (pinned or old.pinned),
                            kind="amole" if amole is not None else "lora", clients=clients)
             self._activate(entry, exclude=(name,), spare=int(old is not None and old.internal is not None))
             if old is not None:
                 self._retire(old)
-                self._forget_clients(old)
-            self._entries[name] = entry
-            for client in clients:
-                self._amole_clients[client] = name
-            return self._info(entry)
+                table.forget_clients(old)
+            table.put(entry)
+            return table.snapshot(entry)
 
     def register(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
         """Register the PEFT folder ``path`` as ``name`` without loading it (it loads when first leased).
@@ -161,37 +202,16 @@ class AdapterPool(PoolViews):
         missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
         if missing:
             raise AdapterLoadFailed(f"adapter folder {path} has no {' or '.join(missing)}")
-        with self.lock, self.state:
-            old = self._registered(name, replace)
-            self._check_names(name, ())
+        table = self.table
+        with self.lock, table.state:
+            old = table.registered(name, replace)
+            table.check_names(name, ())
             entry = Entry(name=name, path=folder, pinned=pinned if old is None else (pinned or old.pinned))
             if old is not None:
                 self._retire(old)
-                self._forget_clients(old)
-            self._entries[name] = entry
-            return self._info(entry)
-
-    def _registered(self, name: str, replace: bool) -> Entry | None:
-        """The entry registered as ``name`` (None if none); AdapterExists unless ``replace``."""
-        old = self._entries.get(name)
-        if old is not None and not replace:
-            raise AdapterExists(f"adapter {name!r} is already loaded; unload it or ask for a reload")
-        return old
-
-    def _check_names(self, name: str, clients: tuple[str, ...]) -> None:
-        """Refuse names that would make a ``model`` name ambiguous (a client served twice)."""
-        if name in self._amole_clients:
-            raise AdapterExists(f"{name!r} is a client of the AMoLE model {self._amole_clients[name]!r}")
-        for client in clients:
-            owner = self._amole_clients.get(client, name)
-            if owner != name or (client in self._entries and client != name):
-                raise AdapterExists(f"AMoLE client {client!r} of {name!r} clashes with the served "
-                                    f"{'AMoLE model ' + repr(owner) if owner != name else 'adapter'}")
-
-    def _forget_clients(self, entry: Entry) -> None:
-        for client in entry.clients:
-            if self._amole_clients.get(client) == entry.name:
-                del self._amole_clients[client]
+                table.forget_clients(old)
+            table.put(entry)
+            return table.snapshot(entry)
 
     def unload(self, name: str, force: bool = False) -> None:
         """Forget ``name``; its version leaves the model once no request holds it.
@@ -200,19 +220,20 @@ class AdapterPool(PoolViews):
             AdapterNotFound: ``name`` is not registered (or is an AMoLE client, not a model).
             AdapterPinned: ``name`` is pinned and ``force`` is False.
         """
-        with self.lock, self.state:
-            if name in self._amole_clients:
-                raise AdapterNotFound(f"{name!r} is a client of the AMoLE model {self._amole_clients[name]!r}; "
+        table = self.table
+        with self.lock, table.state:
+            if name in table.owners:
+                raise AdapterNotFound(f"{name!r} is a client of the AMoLE model {table.owners[name]!r}; "
                                       "unload that model")
-            entry = self._entries.get(name)
+            entry = table.entries.get(name)
             if entry is None:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded")
             if entry.pinned and not force:
                 raise AdapterPinned(f"adapter {name!r} is pinned (targets built on it stop working without it); "
                                     "unload it with force")
-            del self._entries[name]
+            del table.entries[name]
             self._retire(entry)
-            self._forget_clients(entry)
+            table.forget_clients(entry)
 
     def load_run(self, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
         """Register a training run's global adapter and every client's local adapter (:mod:`serving.pool_run`).
@@ -241,35 +262,35 @@ class AdapterPool(PoolViews):
             NoFreeSlot: an evicted adapter cannot be reloaded because nothing can be evicted.
         """
         wanted = tuple(names)
-        with self.state:  # versions already in the model: no wait for the engine's step
+        with self.table.state:  # versions already in the model: no wait for the engine's step
             lease = self._lease(wanted, activate=False)
         if lease is not None:
             return lease
-        with self.lock, self.state:  # an evicted or registered-only adapter is loaded into the model first
+        with self.lock, self.table.state:  # an evicted or registered-only adapter is loaded into the model first
             lease = self._lease(wanted, activate=True)
             assert lease is not None
             return lease
 
     def _lease(self, wanted: tuple[str, ...], activate: bool) -> Lease | None:
         """Lease ``wanted`` (see :meth:`acquire`); None when one must be loaded first and ``activate`` is False."""
-        missing = [n for n in wanted if n not in self._amole_clients
-                   and (n not in self._entries or self._entries[n].kind != "lora")]
+        table = self.table
+        missing = [n for n in wanted if n not in table.owners
+                   and (n not in table.entries or table.entries[n].kind != "lora")]
         if missing:
             raise AdapterNotFound(f"adapters {missing} are not loaded")
-        routed = [n for n in wanted if n in self._amole_clients]
+        routed = [n for n in wanted if n in table.owners]
         if routed and len(wanted) > 1:
             raise InvalidRequest(f"the AMoLE client {routed[0]!r} routes every token itself; request it alone",
                                  param="model")
-        owners = tuple(self._amole_clients.get(n, n) for n in wanted)
-        if not activate and any(self._entries[o].internal is None for o in owners):
+        owners = tuple(table.owners.get(n, n) for n in wanted)
+        if not activate and any(table.entries[o].internal is None for o in owners):
             return None
         plain, keys, route = [], [], None
         for name, owner in zip(wanted, owners, strict=True):
-            entry = self._entries[owner]
+            entry = table.entries[owner]
             if entry.internal is None:
                 self._activate(entry, exclude=owners)
-            self._tick += 1
-            entry.last_used = self._tick
+            table.touch(entry)
             assert entry.internal is not None
             keys.append(entry.internal)
             if entry.kind == "amole":
@@ -277,31 +298,27 @@ class AdapterPool(PoolViews):
             else:
                 plain.append(entry.internal)
         for key in keys:
-            self._leases[key] = self._leases.get(key, 0) + 1
+            table.leases[key] = table.leases.get(key, 0) + 1
         return Lease(self, tuple(plain), tuple(keys), route)
 
     def _release(self, internal: tuple[str, ...]) -> None:
-        with self.state:
+        table = self.table
+        with table.state:
             done = []
             for key in internal:
-                self._leases[key] -= 1
-                if self._leases[key] == 0:
-                    del self._leases[key]
+                table.leases[key] -= 1
+                if table.leases[key] == 0:
+                    del table.leases[key]
                     done.append(key)
-            if not any(key in self._retired for key in done):
+            if not any(key in table.retired for key in done):
                 return
-        with self.lock, self.state:  # a replaced version leaves the model: the model lock first
+        with self.lock, table.state:  # a replaced version leaves the model: the model lock first
             for key in done:
-                if key in self._retired and not self._leases.get(key):
-                    self._retired.discard(key)
+                if key in table.retired and not table.leases.get(key):
+                    table.retired.discard(key)
                     self._drop(key)
 
     # --- internals -----------------------------------------------------------------------------
-
-    def _info(self, entry: Entry) -> AdapterInfo:
-        leases = self._leases.get(entry.internal, 0) if entry.internal else 0
-        return AdapterInfo(entry.name, entry.version, entry.path, entry.pinned, entry.internal is not None, leases,
-                           entry.kind, entry.clients)
 
     def _activate(self, entry: Entry, exclude: tuple[str, ...], spare: int = 0) -> None:
         """Load ``entry``'s folder into the model under a fresh version, evicting if full.
@@ -310,7 +327,7 @@ class AdapterPool(PoolViews):
         """
         if self.loaded_count() - spare >= self.max_loras:
             self._evict(exclude)
-        version = self._versions.get(entry.name, 0) + 1
+        version = self.table.versions.get(entry.name, 0) + 1
         internal = f"{entry.name.replace('.', '%')}@{version}"  # layer names may not contain dots
         try:
             if entry.kind == "amole":
@@ -319,15 +336,14 @@ class AdapterPool(PoolViews):
                 load_adapter(self.adapted, entry.path, internal, check_base=self.check_base)
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
-        self._versions[entry.name] = version
+        self.table.versions[entry.name] = version
         entry.version, entry.internal = version, internal
-        self._tick += 1
-        entry.last_used = self._tick
+        self.table.touch(entry)
 
     def _evict(self, exclude: tuple[str, ...]) -> None:
-        candidates = [e for e in self._entries.values()
+        candidates = [e for e in self.table.entries.values()
                       if e.internal is not None and not e.pinned and e.name not in exclude
-                      and self._leases.get(e.internal, 0) == 0]
+                      and self.table.leases.get(e.internal, 0) == 0]
         if not candidates:
             raise NoFreeSlot(
                 f"all {self.max_loras} adapter slots hold pinned or in-use adapters; unload one, unpin one, "
@@ -340,8 +356,8 @@ class AdapterPool(PoolViews):
     def _retire(self, entry: Entry) -> None:
         if entry.internal is None:
             return
-        if self._leases.get(entry.internal, 0) > 0:
-            self._retired.add(entry.internal)
+        if self.table.leases.get(entry.internal, 0) > 0:
+            self.table.retired.add(entry.internal)
         else:
             self._drop(entry.internal)
         entry.internal = None

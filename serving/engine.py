@@ -3,7 +3,7 @@
 Requests wait in a queue and take a KV slot (:mod:`serving.kv`) when one is free. Each step then
 prefills waiting prompts in chunks — one batched forward over every admitted request's next chunk,
 at most ``max_prefill_tokens`` tokens, so a long prompt never stalls running requests for more than
-a chunk (:mod:`serving.prefill`) — and decodes one token of every running request in that same
+a chunk (:mod:`serving.scheduler`) — and decodes one token of every running request in that same
 forward (one read of the weights per step; apart on CUDA, whose decode steps are captured graphs), each
 row with its own adapter weights (the one contract, ARCHITECTURE.md), so one batch mixes clients.
 While prompts wait for their first token (queued, or starting their prefill in this step), up to
@@ -51,15 +51,13 @@ import torch
 from adapters import AdaptedModel
 from models import LoadedModel
 from serving.errors import EngineNotReady, EngineOverloaded
-from serving.executor import Executor, RowOut
+from serving.executor import Executor
 from serving.kv import SlotKV
-from serving.lifecycle import EngineConfig
-from serving.logits import RowHistory
+from serving.lifecycle import EngineConfig, Lifecycle
 from serving.model_lock import ModelLock
-from serving.prefill import PrefillSteps
 from serving.prefix_cache import PrefixCache
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
-from serving.runner.inputs import RowAdapters
+from serving.scheduler import Outcome, Scheduler
 from serving.sequence import Finished, Sequence, error_status, failed, result
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "StepReport"]
@@ -90,8 +88,12 @@ class EngineStats:
     kv_length: int
 
 
-class Engine(PrefillSteps):
+class Engine:
     """Continuous batching over one frozen model with named adapters.
+
+    The engine owns the queue, the KV slots and the step loop; a :class:`~serving.lifecycle.Lifecycle`
+    validates requests and moves them through their phases, and a :class:`~serving.scheduler.Scheduler`
+    runs each step's forwards and returns every row's outcome, which the engine records here.
 
     Args:
         loaded: the base model, tokenizer and compute-dtype policy.
@@ -125,6 +127,9 @@ class Engine(PrefillSteps):
                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
             eos.update([value] if isinstance(value, int) else (value or []))
         self.eos_ids = frozenset(eos)
+        self.lifecycle = Lifecycle(config, self.tokenizer, adapted, self.vocab_size, self.eos_ids, self.device,
+                                   self.prefixes)
+        self.scheduler = Scheduler(self.executor, self.lifecycle)
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
         self._cond = threading.Condition()
@@ -151,7 +156,7 @@ class Engine(PrefillSteps):
             raise EngineNotReady(f"the engine failed ({self.failure}); the server is restarting")
         if self._stopping:
             raise EngineNotReady("the engine is shutting down")
-        seq = self.prepare(request)
+        seq = self.lifecycle.prepare(request)
         with self._cond:
             if len(self._waiting) >= self.config.max_waiting:
                 raise EngineOverloaded(f"{len(self._waiting)} requests are already waiting; retry later")
@@ -288,9 +293,12 @@ class Engine(PrefillSteps):
                     else:
                         self._skipped = 0
                     budget = self.config.max_prefill_tokens  # with no running rows it bounds each forward
-                    first = self._plan([s for s in self._active if s.phase in ("route", "fill")], budget,
-                                       reserve=True, exact_budget=None if running else budget)
-                    tokens, rows = self._prefill(first, decoding, finished), len(decoding)
+                    first = self.scheduler.plan([s for s in self._active if s.phase in ("route", "fill")], budget,
+                                                reserve=True, exact_budget=None if running else budget)
+                    tokens, outcomes = self.scheduler.run(first, decoding)
+                    rows = len(decoding)
+                    for seq, outcome in outcomes:
+                        self._record(seq, outcome, finished)
                 seconds = time.perf_counter() - started
             finally:
                 self.model_lock.release()
@@ -339,34 +347,19 @@ class Engine(PrefillSteps):
                 seq = self._waiting.popleft()
             seq.slot = self.kv.allocate()
             self._active.append(seq)
-            self.begin_prefill(seq)
+            self.lifecycle.begin_prefill(seq)
 
-    def _decoded(self, seqs: list[Sequence], outs: list[RowOut | Exception], finished: Finished) -> None:
-        """Sample the next token of each decoded row in ``seqs`` (a row whose forward failed fails alone)."""
-        ok: list[tuple[Sequence, RowOut]] = []
-        for seq, out in zip(seqs, outs, strict=True):
-            if isinstance(out, Exception):
-                self._fail(seq, out, finished)
-            else:
-                ok.append((seq, out))
-                if seq.amole is not None and out.counts is not None and seq.usage is not None:
-                    seq.usage += out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
-        self._sampled([s for s, _ in ok], [o.logits for _, o in ok], finished)
-
-    def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None:
-        histories = [RowHistory(s.ids, s.output, self.eos_ids) for s in seqs]
-        picked = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs],
-                                      histories)
-        for seq, choice in zip(seqs, picked, strict=True):
-            if isinstance(choice, Exception):
-                self._fail(seq, choice, finished)
-                continue
-            token, logprob = choice
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            reason = self.advance(seq, token)
-            if reason is not None:
-                self._end(seq, result(seq, reason), finished)
+    def _record(self, seq: Sequence, outcome: Outcome, finished: Finished) -> None:
+        """Record a row's sampled token (ending its sequence when it finishes), or fail it."""
+        if isinstance(outcome, Exception):
+            self._fail(seq, outcome, finished)
+            return
+        token, logprob = outcome
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = self.lifecycle.advance(seq, token)
+        if reason is not None:
+            self._end(seq, result(seq, reason), finished)
 
     def _fail(self, seq: Sequence, exc: Exception, finished: Finished) -> None:
         if error_status(exc) == 500:
@@ -379,9 +372,3 @@ class Engine(PrefillSteps):
             a = layer.adapters[name]
             return (id(a), a.lora_A._version, a.lora_B._version)
         return ()
-
-    def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters:
-        """The adapters a phase of ``seq`` runs with (its AMoLE route, or its names at ``weights``)."""
-        if seq.amole is not None:
-            return RowAdapters(amole=seq.amole)
-        return RowAdapters(tuple(seq.handle.request.adapter_names), weights)

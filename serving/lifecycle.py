@@ -1,6 +1,7 @@
 """The engine's settings and a request's life: validation, prefill phases, routing, each new token.
 
-:class:`Lifecycle` is the engine's half that needs no scheduling: it turns a
+:class:`Lifecycle` is the part of a request's life that needs no scheduling (the engine owns one and
+hands it to its scheduler): it turns a
 :class:`~serving.request.GenerationRequest` into a validated :class:`~serving.sequence.Sequence`,
 chooses the prefill phases (a FedDPA request first prefills with its prefill weights and hands its
 final-layer state to ``weight_fn``, paper 000 section 4.3), and records every sampled token (stop
@@ -18,13 +19,14 @@ import torch
 from serving.errors import AdapterNotFound, InvalidRequest
 from serving.logits import token_logprobs
 from serving.request import FinishReason, GenerationRequest, RequestHandle
+from serving.runner.inputs import RowAdapters
 from serving.sampling import TextTracker, make_generator
 from serving.sequence import Sequence
 
 if TYPE_CHECKING:
     from serving.executor import RowOut
     from serving.prefix_cache import PrefixCache
-    from serving.runner.inputs import PrefillRow, RowAdapters
+    from serving.runner.inputs import PrefillRow
 
 
 @dataclass(frozen=True)
@@ -82,17 +84,29 @@ class EngineConfig:
 
 
 class Lifecycle:
-    """Request validation and phase changes (mixed into :class:`serving.engine.Engine`)."""
+    """Request validation and phase changes, over the engine's settings, tokenizer and prefix cache.
 
-    config: EngineConfig
-    tokenizer: object
-    adapted: object
-    vocab_size: int
-    eos_ids: frozenset[int]
-    device: torch.device
-    prefixes: PrefixCache
+    Args:
+        config: the engine's limits (the prompt's length, the request's deadline).
+        tokenizer: the base model's tokenizer.
+        adapted: the injected adapter handle (None: base model only); names the loaded adapters.
+        vocab_size: the model's vocabulary size (token ids must lie below it).
+        eos_ids: the end-of-sequence token ids.
+        device: where a request's seeded generator lives.
+        prefixes: the prefix cache a prompt pass reuses from and is remembered in.
+    """
 
-    def row_adapters(self, seq: Sequence, weights: tuple[float, ...]) -> RowAdapters: ...
+    def __init__(self, config: EngineConfig, tokenizer: object, adapted: object, vocab_size: int,
+                 eos_ids: frozenset[int], device: torch.device, prefixes: PrefixCache) -> None:
+        self.config, self.tokenizer, self.adapted = config, tokenizer, adapted
+        self.vocab_size, self.eos_ids, self.device, self.prefixes = vocab_size, eos_ids, device, prefixes
+
+    @staticmethod
+    def row_adapters(seq: Sequence, weights: tuple[float, ...]) -> RowAdapters:
+        """The adapters a phase of ``seq`` runs with (its AMoLE route, or its names at ``weights``)."""
+        if seq.amole is not None:
+            return RowAdapters(amole=seq.amole)
+        return RowAdapters(tuple(seq.handle.request.adapter_names), weights)
 
     def _encode(self, text: str) -> list[int]:
         try:

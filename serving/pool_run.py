@@ -12,15 +12,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from adapters import AdapterError
 from adapters.rundir import RunDir
 from serving.amole_router import amole_folder
 from serving.errors import AdapterLoadFailed
+from serving.pool_views import AdapterInfo
 
-if TYPE_CHECKING:
-    from serving.adapter_pool import AdapterPool
+
+class RunPool(Protocol):
+    """What :func:`register_run` needs of a pool (:class:`serving.adapter_pool.AdapterPool` has it)."""
+
+    max_loras: int
+
+    def resolve(self, path: str | Path) -> Path:
+        """``path`` resolved inside the pool's root."""
+        ...
+
+    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+        """Load the folder ``path`` as ``name`` now."""
+        ...
+
+    def register(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+        """Register the folder ``path`` as ``name``, loaded when first used."""
+        ...
+
+    def loaded_count(self) -> int:
+        """Adapters in the model now."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +66,7 @@ class RunInfo:
     amole: str | None = None  # the pool name of the run's AMoLE model (FedAMoLE runs)
 
 
-def register_run(pool: AdapterPool, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
+def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
     """Register a training run's adapters in ``pool``; see the module docstring.
 
     Args:

@@ -1,4 +1,4 @@
-"""Prefill passes of one engine step: chunked, batched, and the two passes of a routed request.
+"""One engine step's forwards: chunked, batched prefill passes, the two passes of a routed request, the decode.
 
 Each step prefills at most ``max_prefill_tokens`` prompt tokens in one batched forward (AMoLE rows
 alone). A routed request (FedDPA instance-wise weighting, paper 000 section 4.3) first runs a
@@ -14,6 +14,10 @@ before its first pass is planned); when it does, the running rows' decode rides 
 forward on the fused runner (:meth:`serving.executor.Executor.mixed`), so a mixed step reads the
 weights once per pass instead of once more for the decode. A row whose prefill ends in a step takes
 its next token in the following step.
+
+The scheduler returns each row's outcome (its sampled token and log-probabilities, or the exception
+that fails it) in the order the rows went through; the engine records the tokens and ends the
+finished and failed sequences (:meth:`serving.engine.Engine.step`).
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from serving.lifecycle import Lifecycle
+from serving.logits import RowHistory, TokenLogprob
 from serving.runner.inputs import DecodeRow, PrefillRow
 
 if TYPE_CHECKING:
     import torch
 
     from serving.executor import Executor, RowOut
-    from serving.sequence import Finished, Sequence
+    from serving.lifecycle import Lifecycle
+    from serving.sequence import Sequence
+
+Outcome = tuple[int, TokenLogprob | None] | Exception  # a row's sampled token and log-probs, or why it failed
+Outcomes = list[tuple["Sequence", Outcome]]
 
 
 @dataclass
@@ -47,20 +55,19 @@ class Pass:
         self.exact_left = self.exact_budget or 0
 
 
-class PrefillSteps(Lifecycle):
-    """The prefill half of a step (mixed into :class:`serving.engine.Engine`, which owns the state)."""
+class Scheduler:
+    """Plans and runs one step's passes over the executor, moving sequences through their phases.
 
-    executor: Executor
-    _active: list[Sequence]
+    Args:
+        executor: runs the forwards and samples.
+        lifecycle: records prompt log-probabilities and ends prefill phases (routing included).
+    """
 
-    def _fail(self, seq: Sequence, exc: Exception, finished: Finished) -> None: ...
+    def __init__(self, executor: Executor, lifecycle: Lifecycle) -> None:
+        self.executor, self.lifecycle = executor, lifecycle
 
-    def _sampled(self, seqs: list[Sequence], logits: list[torch.Tensor], finished: Finished) -> None: ...
-
-    def _decoded(self, seqs: list[Sequence], outs: list[RowOut | Exception], finished: Finished) -> None: ...
-
-    def _plan(self, seqs: list[Sequence], budget: int, reserve: bool = False, exact_budget: int | None = None
-              ) -> Pass:
+    def plan(self, seqs: list[Sequence], budget: int, reserve: bool = False, exact_budget: int | None = None
+             ) -> Pass:
         """Choose one chunk of each of ``seqs`` within ``budget`` tokens (nothing runs yet).
 
         With ``reserve``, a routing pass that would end in this step is taken only while the budget
@@ -89,29 +96,31 @@ class PrefillSteps(Lifecycle):
             (plan.plain if seq.adapters.plain else plan.solo).append((seq, row))
         return plan
 
-    def _prefill(self, first: Pass, decoding: list[Sequence], finished: Finished) -> int:
+    def run(self, first: Pass, decoding: list[Sequence]) -> tuple[int, Outcomes]:
         """Run this step's first pass (``decoding``'s rows in its forward), then the exact passes it unlocks.
 
         Routed rows whose routing pass ends here start their exact (second) pass in the same step when
         the step's token budget allows: a FedDPA request's first token comes one step sooner.
 
         Returns:
-            The prompt tokens that went through.
+            The prompt tokens that went through, and the outcome of every row that took a token or
+            failed, in the order they went through.
         """
-        rerouted = self._run(first, finished, decoding)
+        outcomes: Outcomes = []
+        rerouted = self._run(first, decoding, outcomes)
         tokens = first.budget - first.left
         budget = first.left if first.exact_budget is None else first.exact_budget
         if rerouted and budget > 0:
-            second = self._plan(rerouted, budget)
-            self._run(second, finished, [])
+            second = self.plan(rerouted, budget)
+            self._run(second, [], outcomes)
             tokens += second.budget - second.left
-        return tokens
+        return tokens, outcomes
 
-    def _run(self, plan: Pass, finished: Finished, decoding: list[Sequence]) -> list[Sequence]:
+    def _run(self, plan: Pass, decoding: list[Sequence], outcomes: Outcomes) -> list[Sequence]:
         """Run ``plan``'s forwards, ``decoding``'s decode rows riding in its batched one.
 
         Returns:
-            The sequences this pass moved from ``route`` to ``fill``.
+            The sequences this pass moved from ``route`` to ``fill`` (outcomes appended to ``outcomes``).
         """
         rerouted: list[Sequence] = []
         rows = [DecodeRow(s.slot, s.next_token, s.position, s.adapters) for s in decoding]  # type: ignore[arg-type]
@@ -119,34 +128,52 @@ class PrefillSteps(Lifecycle):
         for group in groups:
             outs, decoded = self.executor.mixed([row for _, row in group], rows)
             if rows:
-                self._decoded(decoding, decoded, finished)
+                self._decoded(decoding, decoded, outcomes)
                 decoding, rows = [], []
             done: list[tuple[Sequence, RowOut]] = []
             for (seq, row), out in zip(group, outs, strict=True):
                 if isinstance(out, Exception):
-                    self._fail(seq, out, finished)
+                    outcomes.append((seq, out))
                     continue
                 if out.chunk_logits is not None:
-                    self.record_prompt_logprobs(seq, row, out.chunk_logits)
+                    self.lifecycle.record_prompt_logprobs(seq, row, out.chunk_logits)
                 seq.filled = row.end
                 routing = seq.phase == "route"
                 try:
-                    if self.prefilled(seq, out):
+                    if self.lifecycle.prefilled(seq, out):
                         done.append((seq, out))
                     elif routing and seq.phase == "fill":
                         rerouted.append(seq)
                 except Exception as exc:  # noqa: BLE001 - a failing router fails its request only
-                    self._fail(seq, exc, finished)
-            self._first_tokens(done, finished)
+                    outcomes.append((seq, exc))
+            self._first_tokens(done, outcomes)
         if rows:  # nothing to prefill: a decode step
-            self._decoded(decoding, self.executor.decode(rows), finished)
+            self._decoded(decoding, self.executor.decode(rows), outcomes)
         return rerouted
 
-    def _first_tokens(self, done: list[tuple[Sequence, RowOut]], finished: Finished) -> None:
+    def _first_tokens(self, done: list[tuple[Sequence, RowOut]], outcomes: Outcomes) -> None:
         if not done:
             return
         for seq, out in done:
             if seq.amole is not None and out.counts is not None and seq.layer_idx is not None:
                 seq.usage = out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
-        self._sampled([s for s, _ in done], [o.logits for _, o in done], finished)
+        self._sample([s for s, _ in done], [o.logits for _, o in done], outcomes)
+
+    def _decoded(self, seqs: list[Sequence], outs: list[RowOut | Exception], outcomes: Outcomes) -> None:
+        """Sample the next token of each decoded row in ``seqs`` (a row whose forward failed fails alone)."""
+        ok: list[tuple[Sequence, RowOut]] = []
+        for seq, out in zip(seqs, outs, strict=True):
+            if isinstance(out, Exception):
+                outcomes.append((seq, out))
+            else:
+                ok.append((seq, out))
+                if seq.amole is not None and out.counts is not None and seq.usage is not None:
+                    seq.usage += out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
+        self._sample([s for s, _ in ok], [o.logits for _, o in ok], outcomes)
+
+    def _sample(self, seqs: list[Sequence], logits: list[torch.Tensor], outcomes: Outcomes) -> None:
+        histories = [RowHistory(s.ids, s.output, self.lifecycle.eos_ids) for s in seqs]
+        picked = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs],
+                                      histories)
+        outcomes.extend(zip(seqs, picked, strict=True))
 
