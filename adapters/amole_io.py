@@ -178,7 +178,7 @@ def load_amole(adapted: AdaptedModel, folder: str | Path) -> tuple[dict[str, dic
     """Create the experts of ``folder`` in ``adapted``'s AMoLE layers and load them; return (assignments, top_k).
 
     The training-side loader (experts and token projections inside the layers); serving keeps several
-    versions side by side instead (:mod:`serving.amole_router`). The folder's router kind is
+    versions side by side instead (:mod:`serving.pool.amole`). The folder's router kind is
     :func:`read_amole_meta`'s ``router`` (route with ``AMoLERouting(router=...)``).
     """
     if any(n.startswith("expert_") for n in adapted.configs):

@@ -2,7 +2,7 @@
 
 Prompts are left-padded into batches, each row gets its adapter weights (``(B, K)`` over named
 adapters, the contract of ``adapters/context.py``) and HF ``generate`` decodes (the layers repeat each
-row's weights for beams). Serving's beam-search path (``serving/generation.py``) and training's
+row's weights for beams). Serving's beam-search path (``serving/beam.py``) and training's
 validation of a client's local adapter (``training/local_gate.py``) both decode through it.
 """
 

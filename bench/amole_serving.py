@@ -1,7 +1,7 @@
 """AMoLE serving cost per decode step on SmolLM2, and what recording expert usage adds to it.
 
 Batch 8, prompt 128 tokens, then decode steps with the KV cache, through the same routing object the
-serving engine builds (:func:`serving.amole_router.batch_routing`) over an AMoLE model of 30 experts
+serving engine builds (:func:`serving.engine.amole.batch_routing`) over an AMoLE model of 30 experts
 (r = 8, q/v of every layer; 6 assigned per client and layer, top-2). Cases, measured in this run:
   base            no adapter
   lora_per_row    8 different LoRA adapters, one per row (the multi-LoRA reference)
@@ -29,8 +29,8 @@ from adapters.amole_layer import add_amole_experts
 from adapters.amole_routing import ExpertRecorder
 from models import load_base_model, tiny_llama
 from models.settings import DTYPES
-from serving.adapter_pool import AdapterPool
-from serving.amole_router import batch_routing
+from serving.engine.amole import batch_routing
+from serving.pool import AdapterPool
 
 
 def main() -> None:

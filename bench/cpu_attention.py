@@ -1,6 +1,6 @@
 """CPU decode attention of the engine: the shipped reference against its former formulation.
 
-``serving.kernels.reference.decode_attention`` (the CPU path) reads every row's cache up to the longest
+``serving.engine.kernels.reference.decode_attention`` (the CPU path) reads every row's cache up to the longest
 row. It used to convert those rows to float32 and run batched matmuls, a masked softmax and a float32
 weighted sum; it now hands the bf16 rows as they are to PyTorch's fused SDPA, a kv head's query heads
 folded in as queries (the weights rounded to bf16 for the weighted sum, as HF's SDPA under autocast).
@@ -38,8 +38,8 @@ from serve_common import (
 
 from models import load_base_model
 from serving.engine import EngineConfig
-from serving.kernels import reference
-from serving.sampling import SamplingParams
+from serving.engine.kernels import reference
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, StackConfig, build_stack
 
 SHIPPED = reference.decode_attention

@@ -6,14 +6,14 @@ does, for N rows (1, 8 and 16 decode rows, 64, and a 392-token prefill), with ea
 
   row_major    (out, in) contiguous, as transformers loads it: ``F.linear(x, W)`` is ``x @ W^T``
   in_major     (in, out) contiguous (the fused runner's order on CPU in float32,
-               ``serving/runner/layout.py``): ``F.linear(x, W)`` with W its transposed view
+               ``serving/engine/runner/layout.py``): ``F.linear(x, W)`` with W its transposed view
 
 and the head computed as ``F.linear`` or as ``(W @ h^T)^T`` (what the runner does in in_major mode,
 the head staying row-major because the embedding shares it). In bfloat16, where torch has oneDNN's
 packed linear on this CPU, one more case:
 
   packed       oneDNN's blocked form, head included (the runner's own copies under autocast-bf16,
-               ``serving.runner.layout.packed_copy``)
+               ``serving.engine.runner.layout.packed_copy``)
 
 Cases interleaved, medians, one JSON object with milliseconds per case and the speed-ups of in_major
 and packed over row_major measured in this run.
@@ -26,7 +26,7 @@ import torch
 from serve_common import apply_threads, interleave, median, parser, print_json, ratio, timed
 
 from models import load_base_model
-from serving.runner.layout import linear, packed_copy, packs
+from serving.engine.runner.layout import linear, packed_copy, packs
 
 ROWS = (1, 8, 16, 64, 392)
 

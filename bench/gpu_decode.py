@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from adapters import AdaptedModel, LoraConfig, inject
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 
 GEOMETRIES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

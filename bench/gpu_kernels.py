@@ -1,4 +1,4 @@
-"""serving.kernels on a GPU: each Triton kernel against its PyTorch reference at decode sizes.
+"""serving.engine.kernels on a GPU: each Triton kernel against its PyTorch reference at decode sizes.
 
 Sizes: LLaMA-7B (H 4096, I 11008, 32/32 heads, D 128) and SmolLM2-135M (H 576, I 1536, 9/3 heads, D 64)
 in bfloat16, N = 1, 8, 64 rows; decode attention over rows of about 64, 512 and 2048 positions in a
@@ -98,8 +98,8 @@ def build_cases(device: str, smoke: bool) -> list[Case]:
     """Inputs for every op and size, on `device`, in bfloat16 (the callables bind them now: partial)."""
     import torch
 
-    from serving import kernels
-    from serving.kernels import reference, triton_lora
+    from serving.engine import kernels
+    from serving.engine.kernels import reference, triton_lora
 
     dt, el = torch.bfloat16, 2  # bytes per element
     gen = torch.Generator(device=device).manual_seed(0)
@@ -164,14 +164,15 @@ def main() -> None:
     import torch
     import triton
 
-    from serving import kernels
-    from serving.kernels import triton_attention
+    from serving.engine import kernels
+    from serving.engine.kernels import triton_attention
 
     device = "cpu" if args.smoke else "cuda"
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --smoke)")
     if not kernels.uses_triton(torch.zeros(1, device=device)):
-        sys.exit("serving.kernels does not run Triton here (is triton installed? TRITON_INTERPRET set on a GPU?)")
+        sys.exit("serving.engine.kernels does not run Triton here (is triton installed? TRITON_INTERPRET set on a "
+                 "GPU?)")
     timer = time_cpu if args.smoke else time_cuda
     results = []
     for case in build_cases(device, args.smoke):

@@ -28,7 +28,7 @@ from serve_common import apply_threads, build_run, interleave, median, parser, p
 
 from models import load_base_model
 from serving.engine import EngineConfig
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 
 

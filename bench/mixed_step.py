@@ -2,7 +2,7 @@
 
 A step that prefills new prompts while other requests decode used to run a prefill forward and then a
 decode forward, reading every weight twice; it now runs one forward over both
-(:meth:`serving.executor.Executor.mixed`). Both are timed in one process on the bare base model, cases
+(:meth:`serving.engine.executor.Executor.mixed`). Both are timed in one process on the bare base model, cases
 interleaved round by round (the baseline patches ``Executor.fuses`` to refuse):
   1. ``--running`` greedy requests are prefilled and decode two steps;
   2. ``--arrivals`` new prompts (distinct chat-templated questions) arrive: the time until each has its
@@ -23,8 +23,8 @@ from serve_common import apply_threads, interleave, median, parser, print_json, 
 
 from models import load_base_model
 from serving.engine import Engine, EngineConfig
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 
 
 def main() -> None:

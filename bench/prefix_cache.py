@@ -1,4 +1,4 @@
-"""What prompt-prefix reuse (serving.prefix_cache) saves on chat requests sharing a template, on SmolLM2.
+"""What prompt-prefix reuse (serving.engine.prefix_cache) saves on chat requests sharing a template, on SmolLM2.
 
 Eight chat prompts (:func:`serve_common.prompts`: the chat template with its system prompt, then
 different questions), each sent alone to one fixed target (``--target``, default ``global``) with
@@ -21,7 +21,7 @@ from serve_common import apply_threads, build_run, interleave, median, parser, p
 
 from models import load_base_model
 from serving.engine import EngineConfig
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, StackConfig, build_stack
 
 CLIENTS = 8

@@ -24,7 +24,7 @@ from adapters.export import export_mixture
 from models import load_base_model
 from models.settings import DTYPES
 from serving.engine import EngineConfig
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, StackConfig, build_stack
 
 

@@ -27,7 +27,7 @@ from serve_common import build_run, interleave, median, prompts, timed  # bench/
 from models import load_base_model
 from models.settings import DTYPES
 from serving.engine import EngineConfig
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 from serving.targets import TargetResolver
 

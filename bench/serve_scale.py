@@ -39,7 +39,7 @@ from serve_common import (
 )
 
 from models import load_base_model
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 
 

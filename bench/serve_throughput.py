@@ -41,7 +41,7 @@ from serve_common import apply_threads, build_run, interleave, median, parser, p
 from adapters.export import export_mixture
 from models import LoadedModel, load_base_model
 from serving.engine import EngineConfig
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 
 CLIENTS = 8
@@ -49,7 +49,7 @@ CLIENTS = 8
 
 class Fresh:
     """Chat prompts never sent before, so no case finds its prompts whole in the engine's prefix cache
-    (``serving.prefix_cache``; a server sees new questions after the same chat template and system
+    (``serving.engine.prefix_cache``; a server sees new questions after the same chat template and system
     prompt); ``engine_base`` and ``hf_generate_batch`` share one set per round (the same 8 prompts)."""
 
     def __init__(self, tokenizer: object) -> None:

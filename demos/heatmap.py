@@ -6,7 +6,7 @@ layer. This module accepts the shapes such a report may take inside ``fedmosaic.
 None when a response has none (FedDPA, single adapters), so the UI simply hides the plot:
 
 * ``{"counts": {layer: [count per expert]}, "experts": [ids], "layers": [order], "assigned": {...}}``
-  (``serving.amole_router.usage_report``), under any key of ``info`` or as ``info`` itself;
+  (``serving.engine.amole.usage_report``), under any key of ``info`` or as ``info`` itself;
 * ``{layer: {expert_id: count}}`` (``info.experts`` or any nested mapping of that shape).
 """
 

@@ -50,7 +50,7 @@ def _models(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from adapters import LoraConfig, inject, load_adapter
     from models import load_base_model
-    from serving.generation import GenerationConfig, generate
+    from serving.beam import GenerationConfig, generate
 
     loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)
     adapted = inject(loaded.model)

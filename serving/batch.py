@@ -4,7 +4,7 @@ Input: one request per line, in the OpenAI / vLLM batch-file format
 ``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}``
 or a bare request body (chat when it has ``messages``, completion when it has ``prompt``; its
 custom_id is ``line-<n>``). Bodies are validated by the HTTP API's own models and answered by its own
-builders (:mod:`serving.api.protocol`, :mod:`serving.api.builders`), so a line gets the response body
+builders (:mod:`serving.openai.protocol`, :mod:`serving.openai.builders`), so a line gets the response body
 the server would send, ``fedmosaic`` extension field included (with the FedDPA routing details: the
 batch runner is the operator's own tool). A line asking for several choices (``n``, a batch of
 prompts) runs them all and is answered once the last one finished.
@@ -36,11 +36,11 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from serving.api import builders
-from serving.api.builders import Choice, Limits
-from serving.api.errors import error_payload, validation_payload
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest
-from serving.api.responses import Answer, ChatShape, CompletionShape
+from serving.openai import builders
+from serving.openai.builders import Choice, Limits
+from serving.openai.errors import error_payload, validation_payload
+from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+from serving.openai.responses import Answer, ChatShape, CompletionShape
 from serving.stack import Job, Outcome
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Domain errors of the serving package, all deriving from :class:`ServingError`.
 
-Each carries an HTTP-neutral meaning; ``serving/api/errors.py`` is the one place that maps them to a
+Each carries an HTTP-neutral meaning; ``serving/openai/errors.py`` is the one place that maps them to a
 status code and the OpenAI error envelope. Python callers of the engine and the pool catch these.
 """
 

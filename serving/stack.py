@@ -27,10 +27,10 @@ from models import LoadedModel, load_base_model
 from routing.base import local_name
 from routing.embedding import POOLINGS
 from routing.feddpa import DEFAULT_WEIGHTING, SIMILARITIES, VARIANTS, WEIGHTINGS, resolve_weighting
-from serving.adapter_pool import AdapterPool, Lease, RunInfo
 from serving.engine import Engine, EngineConfig
-from serving.request import GenerationRequest, GenerationResult, RequestHandle
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest, GenerationResult, RequestHandle
+from serving.engine.sampling import SamplingParams
+from serving.pool import AdapterPool, Lease, RunInfo
 from serving.targets import TargetPlan, TargetResolver, WeightRouter
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ Names a request can use (the OpenAI ``model`` field):
   last-token state, and decodes with the router's weights. Without one, ``a`` is the run's
   ``inference_weight`` (:class:`FixedWeightRouter`);
 * ``<client>`` of a FedAMoLE run (paper 002 section 4.2): every token routed over that client's
-  experts inside the layers (:mod:`serving.amole_router`); the plan names the client once at weight 1
+  experts inside the layers (:mod:`serving.engine.amole`); the plan names the client once at weight 1
   and the pool's lease turns it into the route the engine reads. An AMoLE run has no global adapter,
   so ``global`` exists only where a run or the operator loaded one;
 * an explicit mixture ``[(name, weight), ...]`` (the HTTP ``adapters`` extension field) overrides all;
@@ -30,9 +30,9 @@ import torch
 
 from routing.base import GLOBAL, LOCAL_SUFFIX, RoutingDecision, WeightRouter, local_name
 from routing.static import FixedWeightRouter
-from serving.adapter_pool import AdapterPool
+from serving.engine.request import WeightFn
 from serving.errors import InvalidRequest, ModelNotFound
-from serving.request import WeightFn
+from serving.pool import AdapterPool
 
 
 @dataclass(frozen=True)

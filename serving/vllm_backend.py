@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from adapters.export import export_mixture
-from serving.adapter_pool import RunInfo
+from serving.beam import plan_weights
+from serving.engine.request import GenerationResult
+from serving.engine.sampling import SamplingParams
 from serving.errors import InvalidRequest, ServingError
-from serving.generation import plan_weights
-from serving.request import GenerationResult
-from serving.sampling import SamplingParams
+from serving.pool import RunInfo
 from serving.stack import Job, Outcome, ServingStack
 from serving.targets import GLOBAL, LOCAL_SUFFIX, TargetPlan
 

@@ -50,7 +50,7 @@ def test_every_cited_name_is_defined() -> None:
 
 def test_the_layers_table_is_the_import_contract() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    (layers,) = [c for c in config["contracts"] if c["type"] == "layers" and "containers" not in c]
     assert "ignore_imports" not in layers
     contract = [sorted(part.strip() for part in layer.split("|")) for layer in layers["layers"]]
     table = re.findall(r"^\| (\w+) \| `(\w+)/` \|", DOC.read_text(), re.M)

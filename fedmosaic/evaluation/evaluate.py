@@ -5,7 +5,7 @@ bare base model do too. Models are *served targets* of the serving stack (:mod:`
 ``<client>`` (FedDPA's global + local mix: instance-wise weights by default for FedDPA runs, paper 000
 section 4.3, or the run's fixed inference weight), else ``<client>:local`` or ``global``, whichever the
 run serves. Greedy decoding runs on the continuous-batching engine; beam search (``--num-beams`` > 1)
-on HF ``generate`` (:mod:`serving.generation`). Predictions are cached per (checkpoint, model, task) as
+on HF ``generate`` (:mod:`serving.beam`). Predictions are cached per (checkpoint, model, task) as
 JSONL, row by row, tagged with how they were generated, so an interrupted evaluation resumes where it
 stopped. Then ROUGE-1/ROUGE-L/exact scores, the Personalization and Test-Time Personalization blocks
 (Markdown + JSON), and PNG plots (scores, score per round, FedDPA weight per task).

@@ -14,7 +14,7 @@ target's rows among themselves makes its predictions independent of which other 
 clients) an evaluation runs, e.g. the ``[base]`` row is the same in every run's table. Routed
 targets prefill twice (``exact_prefill``) so the first token also uses the routed weights, as the
 paper's model does. The engine has no beam search, so ``num_beams > 1`` (the FedDPA reference used 4)
-goes through :func:`serving.generation.generate_target` (HF ``generate``, static batches, same
+goes through :func:`serving.beam.generate_target` (HF ``generate``, static batches, same
 targets and weights).
 """
 
@@ -32,9 +32,9 @@ from fedmosaic.evaluation.inputs import EvalSetupError
 from fedmosaic.evaluation.predictions import Prediction
 from routing.calibration import CALIBRATION_FILE
 from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS, resolve_weighting
+from serving.beam import GenerationConfig, generate_target
 from serving.engine import EngineConfig
-from serving.generation import GenerationConfig, generate_target
-from serving.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 from training.algorithms import ALGORITHMS
 

@@ -13,10 +13,10 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from serving.access import KeyRing, Principal
-from serving.adapter_pool import AdapterPool, RunInfo
 from serving.api.metrics import Metrics
 from serving.engine import Engine
 from serving.errors import EngineNotReady
+from serving.pool import AdapterPool, RunInfo
 from serving.settings import ServeSettings
 from serving.stack import ServingStack
 from serving.targets import TargetResolver

@@ -69,7 +69,7 @@ class Metrics:
 
 
 class _PrefixCollector(Collector):
-    """The engine's prompt-prefix reuse counters (:mod:`serving.prefix_cache`), read at scrape time."""
+    """The engine's prompt-prefix reuse counters (:mod:`serving.engine.prefix_cache`), read at scrape time."""
 
     def __init__(self) -> None:
         self.read: Callable[[], tuple[int, int]] | None = None

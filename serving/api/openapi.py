@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from serving.api.protocol import ErrorResponse
+from serving.openai.protocol import ErrorResponse
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 WHY = {

@@ -1,6 +1,6 @@
 """Shared by the chat and completion routes: request -> engine submissions -> JSON or SSE response.
 
-The route modules only pick the response shape (:mod:`serving.api.responses`); the caller's access
+The route modules only pick the response shape (:mod:`serving.openai.responses`); the caller's access
 to the target, leasing adapter versions, submitting every choice, SSE framing, cancellation on
 disconnect and metrics are here, once.
 """
@@ -19,18 +19,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.access import Principal
-from serving.api.builders import Choice, Limits
 from serving.api.dependencies import ServerState
-from serving.api.errors import error_payload
-from serving.api.protocol import SamplingFields
-from serving.api.responses import Answer, usage
+from serving.engine.request import GenerationResult
 from serving.errors import ModelNotFound
-from serving.request import GenerationResult
+from serving.openai.builders import Choice, Limits
+from serving.openai.errors import error_payload
+from serving.openai.protocol import SamplingFields
+from serving.openai.responses import Answer, usage
 from serving.stack import Job, ServingStack, Submitted
 
 
 class Shape(Protocol):
-    """A response shape (:class:`~serving.api.responses.ChatShape` or ``CompletionShape``)."""
+    """A response shape (:class:`~serving.openai.responses.ChatShape` or ``CompletionShape``)."""
 
     endpoint: str
 

@@ -196,7 +196,7 @@ def test_load_errors_name_the_problem(adapted: AdaptedModel, tmp_path: Path) -> 
 
 
 def test_generate_with_per_row_adapters_matches_single_rows(adapted: AdaptedModel, tiny: LoadedModel) -> None:
-    from serving.generation import GenerationConfig, generate
+    from serving.beam import GenerationConfig, generate
 
     prompts = ["### Instruction:\nsort apple banana\n\n### Response:\n", "The capital of"]
     cfg = GenerationConfig(max_new_tokens=6, batch_size=2)

@@ -12,7 +12,7 @@ from demos.handlers import Handlers, message_text
 from demos.heatmap import find_expert_usage, short_layer, totals, usage_figure
 
 LAYERS = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.q_proj"]
-REPORT = {  # the shape serving.amole_router.usage_report writes
+REPORT = {  # the shape serving.engine.amole.usage_report writes
     "tokens": 7, "top_k": 2, "experts": [0, 1, 2, 3], "layers": LAYERS,
     "counts": {LAYERS[2]: [0, 7, 7, 0], LAYERS[0]: [7, 0, 7, 0], LAYERS[1]: [3, 4, 0, 7]},
     "assigned": {LAYERS[0]: [0, 2], LAYERS[1]: [0, 1, 3], LAYERS[2]: [1, 2]},

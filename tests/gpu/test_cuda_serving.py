@@ -22,8 +22,8 @@ from adapters.amole_io import load_amole
 from adapters.amole_routing import AMoLERouting
 from fedmosaic.cli import main
 from models import load_base_model, tiny_llama
-from serving.generation import GenerationConfig, generate_target
-from serving.sampling import SamplingParams
+from serving.beam import GenerationConfig, generate_target
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, Outcome, StackConfig, build_stack
 from training.data import generate_suite
 from training.runtime import preset

@@ -14,9 +14,9 @@ import torch
 from adapters import LoraConfig, inject
 from models import LoadedModel, tiny_llama
 from serving.engine import Engine, EngineConfig
-from serving.request import GenerationRequest
-from serving.runner.inputs import RowAdapters
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest
+from serving.engine.runner.inputs import RowAdapters
+from serving.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

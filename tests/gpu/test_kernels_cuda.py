@@ -1,4 +1,4 @@
-"""serving.kernels' compiled Triton kernels on an NVIDIA GPU: equal to the reference at LLaMA-7B and SmolLM2
+"""serving.engine.kernels' compiled Triton kernels on an NVIDIA GPU: equal to the reference at LLaMA-7B and SmolLM2
 sizes in bfloat16 and float32, and each launcher captured in a CUDA graph and replayed on new values.
 
 Skips without CUDA, without triton, or when this process runs Triton in its interpreter.
@@ -13,8 +13,8 @@ from typing import TypeVar
 import pytest
 import torch
 
-from serving import kernels
-from serving.kernels import reference
+from serving.engine import kernels
+from serving.engine.kernels import reference
 from tests.serving.kernel_inputs import attention_case, rand, rotary_case
 
 
@@ -112,7 +112,7 @@ def test_decode_attention(dtype: torch.dtype, heads: tuple[int, int, int]) -> No
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 4096, 128), (8, 4096, 128), (64, 4096, 128), (8, 576, 64)])
 def test_lora_shrink_and_expand(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
-    from serving.kernels import triton_lora
+    from serving.engine.kernels import triton_lora
 
     n, d, r = shape
     gen = torch.Generator().manual_seed(4)
@@ -132,7 +132,7 @@ def test_graph_replay_rms_norm_silu_mul_and_lora() -> None:
     gate_up = rand((8, 2 * 11008), dt, "cuda", gen)
     lx, lw = rand((8, 4096), dt, "cuda", gen), rand((8, 128), dt, "cuda", gen)
     la = rand((128, 4096), dt, "cuda", gen) * 0.02
-    from serving.kernels import triton_lora
+    from serving.engine.kernels import triton_lora
 
     g1, (norm_out, res_out) = capture(lambda: kernels.rms_norm(x, w, 1e-5, residual=res))
     g2, act = capture(lambda: kernels.silu_mul(gate_up))

@@ -103,7 +103,7 @@ def test_partial_cache_is_rebuilt_not_used(smollm2_folder: Path, tmp_path: Path)
 @pytest.mark.slow
 def test_smollm2_answers_a_simple_instruction_with_an_adapter(smollm2_folder: Path) -> None:
     from adapters import LoraConfig, inject
-    from serving.generation import GenerationConfig, generate
+    from serving.beam import GenerationConfig, generate
 
     loaded = models.load_base_model("smollm2")
     adapted = inject(loaded.model)

@@ -1,4 +1,4 @@
-"""Compiles serving.kernels' Triton kernels ahead of time for an H100 (sm_90), with no GPU present.
+"""Compiles serving.engine.kernels' Triton kernels ahead of time for an H100 (sm_90), with no GPU present.
 
 Each launcher is called on meta tensors (shapes and strides only) at LLaMA-7B, SmolLM2 and tiny-model
 decode sizes (bf16; float32 at the SmolLM2 size) while its kernels are swapped for recorders; every
@@ -39,7 +39,7 @@ class Recorder:
 
 def _record() -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
     """Runs every launcher on meta tensors at decode sizes and returns the kernel launches."""
-    from serving.kernels import triton_attention, triton_lora, triton_ops
+    from serving.engine.kernels import triton_attention, triton_lora, triton_ops
 
     recorders: list[Recorder] = []
     for module in (triton_ops, triton_attention, triton_lora):

@@ -1,4 +1,4 @@
-"""Random inputs for the serving.kernels tests (CPU interpreter and CUDA): fresh data, poisoned caches.
+"""Random inputs for the serving.engine.kernels tests (CPU interpreter and CUDA): fresh data, poisoned caches.
 
 Every cache cell that a kernel must not write holds NaN (rotary cases) or a huge finite value (attention
 cases: stale cells are finite by the cache's contract, and a kernel reads them at weight 0 at most), so a

@@ -10,11 +10,11 @@ import pytest
 
 from adapters import inject
 from models import LoadedModel
-from serving.adapter_pool import AdapterPool
 from serving.engine import Engine
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, NoFreeSlot, PathNotAllowed
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
+from serving.pool import AdapterPool
 from tests.serving.helpers import write_adapter
 
 

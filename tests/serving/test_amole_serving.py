@@ -17,12 +17,12 @@ from adapters.amole_io import load_amole, read_amole_meta, save_amole
 from adapters.amole_layer import add_amole_experts
 from adapters.amole_routing import AMoLERouting, ExpertRecorder
 from models import LoadedModel, tiny_llama
-from serving.adapter_pool import AdapterPool
 from serving.api.app import create_app
 from serving.engine import Engine
+from serving.engine.request import GenerationRequest, GenerationResult
+from serving.engine.sampling import SamplingParams
 from serving.errors import AdapterExists, AdapterNotFound, InvalidRequest
-from serving.request import GenerationRequest, GenerationResult
-from serving.sampling import SamplingParams
+from serving.pool import AdapterPool
 from serving.settings import ServeSettings
 from serving.targets import TargetResolver
 from tests.serving.helpers import write_adapter

@@ -1,4 +1,4 @@
-"""serving.client_paths: every path or name a client may send is resolved inside its root or refused by name."""
+"""serving.pool.paths: every path or name a client may send is resolved inside its root or refused by name."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.client_paths import check_adapter_name, path_problem, resolve_adapter_path, shown_path
 from serving.errors import AdapterLoadFailed, PathNotAllowed
+from serving.pool.paths import check_adapter_name, path_problem, resolve_adapter_path, shown_path
 
 
 @pytest.fixture()

@@ -1,7 +1,7 @@
 """Serving under the CPU-side device check: the beam-search path and the engine on a pretend GPU.
 
 The model sits on the pretend ``cuda:0`` of :class:`tests.devicecheck.ShadowDevice`; HF ``generate``
-(beam search, the routed prefill of :func:`serving.generation.plan_weights`) must create nothing off the
+(beam search, the routed prefill of :func:`serving.beam.plan_weights`) must create nothing off the
 model's device and answer as on the CPU. The continuous-batching engine is being rewritten for GPUs
 (issue 22 part 3): its test is a strict xfail until it runs clean under the check, and then it must pass.
 """
@@ -15,8 +15,8 @@ import torch
 
 from adapters import LoraConfig, inject, save_adapter
 from models import LoadedModel, tiny_llama
-from serving.generation import GenerationConfig, generate, generate_target
-from serving.sampling import SamplingParams
+from serving.beam import GenerationConfig, generate, generate_target
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
 from tests.devicecheck import ShadowDevice
 from training.data import generate_suite

@@ -10,9 +10,9 @@ import torch
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig, StepReport
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 from serving.errors import AdapterNotFound, InvalidRequest
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
 from tests.serving.helpers import adapted_with
 
 PROMPTS = ["The capital of France is", "Sort these words", "twelve plus seven equals", "Convert 5 km"]

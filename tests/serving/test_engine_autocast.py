@@ -13,8 +13,8 @@ import pytest
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 from tests.serving.helpers import adapted_with
 
 # Regression: found by bench/serve_throughput.py on SmolLM2, every request failed with 500 under the
@@ -49,13 +49,13 @@ def test_folded_a_stacks_give_the_products_of_separate_ones(autocast_tiny: Loade
     freed (one copy in memory)."""
     import torch
 
-    monkeypatch.setattr("serving.runner.llama.packs", lambda device, dtype: False)
+    monkeypatch.setattr("serving.engine.runner.llama.packs", lambda device, dtype: False)
     import torch.nn.functional as F
 
     from adapters import LoraConfig
-    from serving.kv import SlotKV
-    from serving.runner.llama import LlamaRunner
-    from serving.runner.lora_slots import LoraSlots
+    from serving.engine.kv import SlotKV
+    from serving.engine.runner.llama import LlamaRunner
+    from serving.engine.runner.lora_slots import LoraSlots
     from tests.serving.helpers import randomize
 
     adapted = adapted_with(autocast_tiny)

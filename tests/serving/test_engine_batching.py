@@ -14,12 +14,13 @@ import torch
 from adapters import LoraConfig, inject
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
-from serving.kv import SlotKV
-from serving.request import GenerationRequest
-from serving.runner.hf import HFRunner
-from serving.runner.inputs import DecodeRow, PrefillRow, RowAdapters
-from serving.runner.llama import LlamaRunner, unsupported_reason
-from serving.sampling import SamplingParams, TextTracker, filter_logits, sample_batch
+from serving.engine.kv import SlotKV
+from serving.engine.request import GenerationRequest
+from serving.engine.runner.hf import HFRunner
+from serving.engine.runner.inputs import DecodeRow, PrefillRow, RowAdapters
+from serving.engine.runner.llama import LlamaRunner, unsupported_reason
+from serving.engine.sampling import SamplingParams, filter_logits, sample_batch
+from serving.engine.text import TextTracker
 from tests.serving.helpers import adapted_with, randomize
 
 PROMPTS = ["The capital of France is Paris and the capital of Italy is", "Sort these words",

@@ -15,10 +15,10 @@ import torch
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
+from serving.engine.kv import SlotKV
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 from serving.errors import EngineNotReady, InvalidRequest
-from serving.kv import SlotKV
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
 from tests.serving.helpers import adapted_with
 
 PROMPTS = ["The capital of France is", "Sort these words", "twelve plus seven equals", "Convert 5 km"]

@@ -15,8 +15,8 @@ import torch
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 from tests.serving.helpers import adapted_with
 
 PROMPT = "The capital of France is Paris and the capital of Italy is"
@@ -150,7 +150,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused(engine: Engine) -> None:
 def test_sampled_rows_are_batched_in_one_copy(pick: list[int], transposed: bool) -> None:
     """A step's logits rows are sampled as one contiguous (N, V) batch equal to ``torch.stack`` of them,
     also when they are rows of a transposed (head-major) output, unevenly spaced, or of other tensors."""
-    from serving.executor import stacked
+    from serving.engine.executor import stacked
 
     out = torch.randn(11, 6).t() if transposed else torch.randn(6, 11)  # (6, 11)
     rows = [out[b] for b in pick]

@@ -1,4 +1,4 @@
-"""serving.kernels on CPU: the reference equals HF's modules and naive loops; the Triton kernels (run by
+"""serving.engine.kernels on CPU: the reference equals HF's modules and naive loops; the Triton kernels (run by
 Triton's interpreter) equal the reference, in float32 and bfloat16, at odd shapes.
 
 Without a GPU the repository's conftest.py sets TRITON_INTERPRET=1 before anything imports triton (and
@@ -29,8 +29,8 @@ from transformers.models.llama.modeling_llama import (  # noqa: E402
     apply_rotary_pos_emb,
 )
 
-from serving import kernels  # noqa: E402
-from serving.kernels import reference  # noqa: E402
+from serving.engine import kernels  # noqa: E402
+from serving.engine.kernels import reference  # noqa: E402
 from tests.serving.kernel_inputs import AttentionCase, attention_case, rand, rotary_case  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ HEADS = [(4, 2, 16), (9, 3, 64), (4, 4, 128)]
 
 @pytest.fixture()
 def triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Routes serving.kernels' CPU calls through the Triton interpreter, or skips with the reason."""
+    """Routes serving.engine.kernels' CPU calls through the Triton interpreter, or skips with the reason."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton==3.6.0, Linux x86_64)")
     monkeypatch.setenv(kernels.INTERPRET_ENV, "1")
@@ -213,7 +213,7 @@ if importlib.util.find_spec("triton") is not None:
     import triton
     import triton.language as tl
 
-    from serving.kernels.triton_ops import round_to
+    from serving.engine.kernels.triton_ops import round_to
 
     @triton.jit
     def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -286,7 +286,7 @@ def test_triton_decode_attention(triton_path: None, dtype: torch.dtype, heads: t
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_attention_split_and_merged(triton_path: None, dtype: torch.dtype) -> None:
-    from serving.kernels import triton_attention
+    from serving.engine.kernels import triton_attention
 
     c = attention_case(9, 3, 16, lmax=90, lengths=[1, 90, 33, 64], dtype=dtype, device="cpu", seed=11)
     ref = reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale)
@@ -300,7 +300,7 @@ def test_triton_decode_attention_split_and_merged(triton_path: None, dtype: torc
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_triton_lora_shrink(triton_path: None, dtype: torch.dtype, splits: int | None) -> None:
-    from serving.kernels import triton_lora
+    from serving.engine.kernels import triton_lora
 
     gen = torch.Generator().manual_seed(12)
     n, d, r = 19, 200, 40  # a row tile and a column tile cut short, d not a multiple of the step

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import LoadedModel
-from serving.runner.layout import compute_copy, fuse, head_logits, in_feature_major, reorder
-from serving.runner.llama import LlamaRunner
+from serving.engine.runner.layout import compute_copy, fuse, head_logits, in_feature_major, reorder
+from serving.engine.runner.llama import LlamaRunner
 from tests.serving.helpers import adapted_with
 from tests.serving.test_engine_batching import kv_for
 

@@ -11,9 +11,9 @@ import torch
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
-from serving.runner.hf import HFRunner
-from serving.runner.inputs import DecodeRow, PrefillRow
-from serving.runner.llama import LlamaRunner
+from serving.engine.runner.hf import HFRunner
+from serving.engine.runner.inputs import DecodeRow, PrefillRow
+from serving.engine.runner.llama import LlamaRunner
 from tests.serving.helpers import adapted_with
 from tests.serving.test_engine_batching import MIXES, PROMPTS, kv_for, requests
 

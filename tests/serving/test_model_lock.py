@@ -1,4 +1,4 @@
-"""The model lock hands itself to waiting threads before the engine's next step (serving.model_lock), and a
+"""The model lock hands itself to waiting threads before the engine's next step (serving.engine.model_lock), and a
 request leased while a step runs is admitted by the next one (serving.stack)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from models import tiny_llama
-from serving.model_lock import ModelLock
-from serving.sampling import SamplingParams
+from serving.engine.model_lock import ModelLock
+from serving.engine.sampling import SamplingParams
 from serving.stack import Job, StackConfig, Submitted, build_stack
 from tests.serving.helpers import write_adapter
 

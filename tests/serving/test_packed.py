@@ -1,4 +1,4 @@
-"""The runner's packed bf16 matrices on CPU (serving.runner.layout): F.linear's products, one copy, same tokens.
+"""The runner's packed bf16 matrices on CPU (serving.engine.runner.layout): F.linear's products, one copy, same tokens.
 
 Under ``autocast-bf16`` the fused runner holds its own bf16 copies in oneDNN's packed form where that
 form is available. Packing may change which kernel runs, never the model: products agree with
@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
-from serving.kv import SlotKV
-from serving.request import GenerationRequest, GenerationResult
-from serving.runner.layout import head_logits, linear, packed_copy, packs
-from serving.runner.llama import LlamaRunner
-from serving.sampling import SamplingParams
+from serving.engine.kv import SlotKV
+from serving.engine.request import GenerationRequest, GenerationResult
+from serving.engine.runner.layout import head_logits, linear, packed_copy, packs
+from serving.engine.runner.llama import LlamaRunner
+from serving.engine.sampling import SamplingParams
 from tests.serving.helpers import adapted_with
 
 CPU = torch.device("cpu")
@@ -109,7 +109,7 @@ def test_packed_and_plain_copies_decode_the_same_tokens(autocast_tiny: LoadedMod
     engine = Engine(autocast_tiny, adapted, EngineConfig(max_batch_size=4))
     assert engine.executor.fast is not None and engine.executor.fast.packed == packs(CPU, torch.bfloat16)
     packed = engine.generate(requests())
-    monkeypatch.setattr("serving.runner.llama.packs", lambda device, dtype: False)
+    monkeypatch.setattr("serving.engine.runner.llama.packs", lambda device, dtype: False)
     plain_engine = Engine(autocast_tiny, adapted, EngineConfig(max_batch_size=4))
     assert plain_engine.executor.fast is not None and not plain_engine.executor.fast.packed
     plain = plain_engine.generate(requests())
@@ -128,7 +128,7 @@ def test_packed_stacks_follow_every_slot_change(autocast_tiny: LoadedModel) -> N
     a narrower step (padded, not repacked), a slot refilled with another adapter, a refill of the same
     name with new tensors, and a rank growth: a stale packed copy would keep the old adapter's products."""
     from adapters import LoraConfig
-    from serving.runner.lora_slots import LoraSlots
+    from serving.engine.runner.lora_slots import LoraSlots
     from tests.serving.helpers import randomize
 
     adapted = adapted_with(autocast_tiny)

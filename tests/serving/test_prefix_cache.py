@@ -1,4 +1,4 @@
-"""Prompt-prefix reuse (serving.prefix_cache): the same tokens as without it, and reuse only where exact."""
+"""Prompt-prefix reuse (serving.engine.prefix_cache): the same tokens as without it, and reuse only where exact."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from models import LoadedModel
 from serving.engine import Engine, EngineConfig
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
 from tests.serving.helpers import adapted_with, randomize
 
 SYSTEM = "You are a careful assistant who answers briefly. "

@@ -13,11 +13,11 @@ from pydantic import ValidationError
 from adapters import inject
 from models import LoadedModel
 from routing import RoutingDecision
-from serving.adapter_pool import AdapterPool
 from serving.cli import add_serve_arguments, settings_from_args
 from serving.engine import Engine
-from serving.request import GenerationRequest
-from serving.sampling import SamplingParams
+from serving.engine.request import GenerationRequest
+from serving.engine.sampling import SamplingParams
+from serving.pool import AdapterPool
 from serving.settings import ServeSettings
 from serving.targets import TargetResolver
 from tests.serving.helpers import write_adapter

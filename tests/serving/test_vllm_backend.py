@@ -13,7 +13,7 @@ import torch
 
 from adapters import LoraConfig, inject, load_adapter, save_adapter
 from models import tiny_llama
-from serving.adapter_pool import RunInfo
+from serving.pool import RunInfo
 from serving.stack import ServingStack, StackConfig, build_stack
 from serving.vllm_backend import (
     BackendUnavailable,
@@ -122,7 +122,7 @@ def test_amole_runs_are_refused(stack: ServingStack, run_dir: Path, tmp_path: Pa
 
 
 def test_log_probabilities_are_refused_not_dropped() -> None:
-    from serving.sampling import SamplingParams
+    from serving.engine.sampling import SamplingParams
 
     assert unsupported_sampling(SamplingParams(presence_penalty=1.0, logit_bias=((3, 1.0),), min_tokens=2)) is None
     assert unsupported_sampling(SamplingParams(logprobs=0)) == "logprobs"

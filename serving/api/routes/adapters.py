@@ -2,7 +2,7 @@
 
 Enabled by ``allow_runtime_lora`` (default: exactly when an admin key is configured, so an open server
 never lets anyone load adapters; vLLM's default is off too). The rules on names, roots and pins are
-:mod:`serving.runtime_lora`'s.
+:mod:`serving.adapter_admin`'s.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from serving import runtime_lora
+from serving import adapter_admin
 from serving.api.dependencies import Admin, ServerState, State
 from serving.api.openapi import errors, text
-from serving.api.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from serving.openai.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from serving.stack import ServingStack
 
 router = APIRouter()
@@ -32,7 +32,7 @@ def _stack(state: ServerState) -> ServingStack:
 async def load_lora_adapter(caller: Admin, body: LoadLoraAdapterRequest, state: State) -> PlainTextResponse:
     """Load (or with ``load_inplace`` reload, as a new version) a PEFT adapter folder under the adapter root."""
     stack = _stack(state)
-    info = await run_in_threadpool(runtime_lora.load, stack, body.lora_name, body.lora_path, body.pinned,
+    info = await run_in_threadpool(adapter_admin.load, stack, body.lora_name, body.lora_path, body.pinned,
                                    body.load_inplace)
     return PlainTextResponse(f"Success: LoRA adapter '{info.name}' added successfully (version {info.version}).")
 
@@ -43,5 +43,5 @@ async def unload_lora_adapter(caller: Admin, body: UnloadLoraAdapterRequest,
                               state: State) -> PlainTextResponse:
     """Unload an adapter (a pinned one only with ``force``); requests already using it finish with it."""
     stack = _stack(state)
-    await run_in_threadpool(runtime_lora.unload, stack, body.lora_name, body.force)
+    await run_in_threadpool(adapter_admin.unload, stack, body.lora_name, body.force)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

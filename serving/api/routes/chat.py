@@ -6,11 +6,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from serving.api import builders, service
+from serving.api import service
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors, json_or_sse
-from serving.api.protocol import ChatCompletionRequest
-from serving.api.responses import ChatShape
+from serving.openai import builders
+from serving.openai.protocol import ChatCompletionRequest
+from serving.openai.responses import ChatShape
 
 router = APIRouter()
 

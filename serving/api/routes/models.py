@@ -6,10 +6,10 @@ from pathlib import Path
 
 from fastapi import APIRouter
 
-from serving.adapter_pool import AdapterInfo
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors
-from serving.api.protocol import ModelCard, ModelList
+from serving.openai.protocol import ModelCard, ModelList
+from serving.pool import AdapterInfo
 
 router = APIRouter()
 

@@ -17,8 +17,8 @@ from fastapi.responses import FileResponse
 
 from serving.api.dependencies import get_settings, require_admin
 from serving.api.openapi import errors
-from serving.client_paths import path_problem, shown_path
 from serving.errors import PathNotAllowed
+from serving.pool.paths import path_problem, shown_path
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 

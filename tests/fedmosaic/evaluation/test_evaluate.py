@@ -24,8 +24,8 @@ from fedmosaic.evaluation.stack_backend import StackBackend, feddpa_routing, ope
 from models import save_tiny_llama, tiny_llama
 from routing.cache import EmbeddingIndex
 from routing.embedding import embed_prompts
+from serving.beam import GenerationConfig, generate_target
 from serving.errors import InvalidRequest
-from serving.generation import GenerationConfig, generate_target
 
 DATA = {"n_train": 4, "n_test": 3, "families": ["sorting", "capitals"]}
 

@@ -1,0 +1,112 @@
+"""A training run directory in the adapter pool: ``global``, each ``<client>:local``, the embedding files.
+
+:func:`register_run` is :meth:`serving.pool.pool.AdapterPool.load_run`: it registers the run's
+global adapter (pinned), its FedAMoLE model if it has one, and every client's local adapter, and
+records each client's embedding files for FedDPA routing (paper 000 section 4.3) without reading
+them. Local adapters are loaded while the pool has free slots and registered unloaded beyond that
+(:meth:`~serving.pool.pool.AdapterPool.register`; they load on first use like evicted ones), so a
+run with 1,000 clients starts without reading 1,000 adapters (``bench/serve_scale.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from adapters import AdapterError
+from adapters.rundir import RunDir
+from serving.errors import AdapterLoadFailed
+from serving.pool.amole import amole_folder
+from serving.pool.views import AdapterInfo
+
+
+class RunPool(Protocol):
+    """What :func:`register_run` needs of a pool (:class:`serving.pool.pool.AdapterPool` has it)."""
+
+    max_loras: int
+
+    def resolve(self, path: str | Path) -> Path:
+        """``path`` resolved inside the pool's root."""
+        ...
+
+    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+        """Load the folder ``path`` as ``name`` now."""
+        ...
+
+    def register(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+        """Register the folder ``path`` as ``name``, loaded when first used."""
+        ...
+
+    def loaded_count(self) -> int:
+        """Adapters in the model now."""
+        ...
+
+
+@dataclass(frozen=True)
+class ClientFiles:
+    """One client of a run: its local adapter's pool name and its embedding files (paths only)."""
+
+    client: str
+    local: str | None
+    embeddings_npy: Path | None
+    embeddings_faiss: Path | None
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What :meth:`AdapterPool.load_run` registered from a run directory."""
+
+    root: Path
+    method: str
+    base_model: str
+    inference_weight: float | None
+    global_name: str | None
+    clients: dict[str, ClientFiles] = field(default_factory=dict)
+    amole: str | None = None  # the pool name of the run's AMoLE model (FedAMoLE runs)
+
+
+def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
+    """Register a training run's adapters in ``pool``; see the module docstring.
+
+    Args:
+        pool: the adapter pool.
+        run_dir: a run directory (``run.json``, ``adapters/global``, ``adapters/clients/<id>/local``).
+        pin_global: pin ``global`` (every FedDPA request uses it).
+
+    Raises:
+        AdapterLoadFailed: ``run.json`` is unreadable, or an adapter loaded now does not fit the model.
+        PathNotAllowed: the run lies outside the pool's root.
+    """
+    run = RunDir(pool.resolve(run_dir))
+    try:
+        config = run.read_config()
+    except AdapterError as exc:
+        raise AdapterLoadFailed(str(exc)) from exc
+    global_name = amole = None
+    if run.global_adapter.is_dir():
+        pool.load("global", run.global_adapter, pinned=pin_global, replace=True)
+        global_name = "global"
+    clients: dict[str, ClientFiles] = {}
+    if amole_folder(run.amole) is not None:
+        amole = "amole"
+        info = pool.load(amole, run.amole, pinned=True, replace=True)
+        clients.update((c, ClientFiles(c, None, None, None)) for c in info.clients)
+    free = pool.max_loras - pool.loaded_count()
+    for client in run.clients():
+        local = None
+        if run.local_adapter(client).is_dir():
+            local = f"{client}:local"
+            if free > 0:  # loaded (and so validated) now while slots are free
+                pool.load(local, run.local_adapter(client), replace=True)
+                free -= 1
+            else:
+                pool.register(local, run.local_adapter(client), replace=True)
+        npy = run.embeddings(client)
+        faiss = npy.with_suffix(".faiss")
+        clients[client] = ClientFiles(client, local, npy if npy.is_file() else None,
+                                      faiss if faiss.is_file() else None)
+    weight = config.get("inference_weight")
+    return RunInfo(root=run.root, method=str(config.get("method", "")), base_model=str(config.get("model", "")),
+                   inference_weight=float(weight) if isinstance(weight, int | float) else None,
+                   global_name=global_name, clients=clients, amole=amole)
