@@ -31,12 +31,12 @@ from typing import Any
 # The repository root first on the path, so `serving` resolves to this checkout in any environment.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name: (hidden, intermediate, query heads, kv heads, head dim, LoRA adapters, LoRA rank)
+# name: (hidden, intermediate, query heads, kv heads, head dim)
 MODELS = {
-    "llama-7b": (4096, 11008, 32, 32, 128, 8, 16),
-    "smollm2-135m": (576, 1536, 9, 3, 64, 8, 8),
+    "llama-7b": (4096, 11008, 32, 32, 128),
+    "smollm2-135m": (576, 1536, 9, 3, 64),
 }
-SMOKE_MODELS = {"tiny": (64, 128, 4, 2, 16, 2, 4)}
+SMOKE_MODELS = {"tiny": (64, 128, 4, 2, 16)}
 ROWS, SMOKE_ROWS = (1, 8, 64), (1, 3)
 LENGTHS, SMOKE_LENGTHS = (64, 512, 2048), (5, 40)
 GRAPH_CALLS, REPLAYS = 10, 20
@@ -99,7 +99,7 @@ def build_cases(device: str, smoke: bool) -> list[Case]:
     import torch
 
     from serving.engine import kernels
-    from serving.engine.kernels import reference, triton_lora
+    from serving.engine.kernels import reference
 
     dt, el = torch.bfloat16, 2  # bytes per element
     gen = torch.Generator(device=device).manual_seed(0)
@@ -111,7 +111,7 @@ def build_cases(device: str, smoke: bool) -> list[Case]:
     rows_list, lengths_list = (SMOKE_ROWS, SMOKE_LENGTHS) if smoke else (ROWS, LENGTHS)
     lmax = max(lengths_list)
     cases: list[Case] = []
-    for model, (hidden, inter, hq, hkv, d, adapters, rank) in models.items():
+    for model, (hidden, inter, hq, hkv, d) in models.items():
         for n in rows_list:
             size = {"n": n}
             x, res, w = rand(n, hidden), rand(n, hidden), rand(hidden)
@@ -133,13 +133,6 @@ def build_cases(device: str, smoke: bool) -> list[Case]:
                 partial(kernels.rotary_kv_write, *rot, k_mine, v_mine, slots, positions),
                 partial(reference.rotary_kv_write, *rot, k_ref, v_ref, slots, positions),
                 (2 * n * hq * d + 4 * n * hkv * d + 2 * n * d) * el + 2 * n * 8,
-            ))
-            r_total = adapters * rank
-            lora = (rand(n, hidden), rand(r_total, hidden) * 0.02, rand(n, r_total))  # x, A, w
-            cases.append(Case(
-                "lora_shrink", model, {"n": n, "r_total": r_total},
-                partial(triton_lora.lora_shrink, *lora), partial(reference.lora_shrink, *lora),
-                (n * hidden + r_total * hidden + 2 * n * r_total) * el,
             ))
             k_cache, v_cache = rand(n, hkv, lmax, d), rand(n, hkv, lmax, d)  # row b in slot b
             for length in lengths_list:
@@ -186,7 +179,6 @@ def main() -> None:
             "reference_gbps": round(case.nbytes / reference_us / 1e3, 1),
             "speedup": round(reference_us / triton_us, 2), "max_abs_diff": diff,
         })
-    shrink = [r for r in results if r["op"] == "lora_shrink"]
     print(json.dumps({
         "benchmark": "gpu_kernels", "smoke": args.smoke,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
@@ -195,7 +187,6 @@ def main() -> None:
                   f"per call: {GRAPH_CALLS} calls in a CUDA graph, median of {REPLAYS} replays",
         "decode_splits_at_lmax": triton_attention.split_plan(max(SMOKE_LENGTHS if args.smoke else LENGTHS)),
         "results": results,
-        "lora_shrink_triton_wins_everywhere": all(r["speedup"] > 1.0 for r in shrink),
     }, indent=1))
 
 

@@ -109,44 +109,23 @@ def test_decode_attention(dtype: torch.dtype, heads: tuple[int, int, int]) -> No
         assert_near(out, reference.decode_attention(c.q, c.k_cache, c.v_cache, c.slots, c.lengths, c.scale))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 4096, 128), (8, 4096, 128), (64, 4096, 128), (8, 576, 64)])
-def test_lora_shrink_and_expand(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
-    from serving.engine.kernels import triton_lora
-
-    n, d, r = shape
-    gen = torch.Generator().manual_seed(4)
-    x, w = rand((n, d), dtype, "cuda", gen), rand((n, r), dtype, "cuda", gen)
-    a = rand((r, d), dtype, "cuda", gen) * 0.02
-    h = triton_lora.lora_shrink(x, a, w)
-    assert_near(h, reference.lora_shrink(x, a, w), rtol=2**-6)  # cuBLAS sums in another order
-    b, y = rand((d, r), dtype, "cuda", gen), rand((n, d), dtype, "cuda", gen)
-    expected = y.float() + h.float() @ b.float().t()
-    torch.testing.assert_close(kernels.lora_expand_add(y, h, b).float(), expected, rtol=2e-2, atol=2e-2)
-
-
-def test_graph_replay_rms_norm_silu_mul_and_lora() -> None:
+def test_graph_replay_rms_norm_and_silu_mul() -> None:
     gen = torch.Generator().manual_seed(5)
     dt = torch.bfloat16
     x, res, w = (rand(s, dt, "cuda", gen) for s in ((8, 4096), (8, 4096), (4096,)))
     gate_up = rand((8, 2 * 11008), dt, "cuda", gen)
-    lx, lw = rand((8, 4096), dt, "cuda", gen), rand((8, 128), dt, "cuda", gen)
-    la = rand((128, 4096), dt, "cuda", gen) * 0.02
-    from serving.engine.kernels import triton_lora
 
     g1, (norm_out, res_out) = capture(lambda: kernels.rms_norm(x, w, 1e-5, residual=res))
     g2, act = capture(lambda: kernels.silu_mul(gate_up))
-    g3, h = capture(lambda: triton_lora.lora_shrink(lx, la, lw))
-    for t in (x, res, w, gate_up, lx, la, lw):
+    for t in (x, res, w, gate_up):
         t.copy_(rand(tuple(t.shape), dt, "cuda", gen))
-    for g in (g1, g2, g3):
+    for g in (g1, g2):
         g.replay()
     torch.cuda.synchronize()
     ref_out, ref_res = reference.rms_norm(x, w, 1e-5, residual=res)
     assert torch.equal(res_out, ref_res)
     assert_near(norm_out, ref_out, exact_share=0.95)
     assert_near(act, reference.silu_mul(gate_up), exact_share=0.95)
-    assert_near(h, reference.lora_shrink(lx, la, lw), rtol=2**-6)
 
 
 @pytest.mark.parametrize("heads", HEADS[:2])

@@ -39,10 +39,10 @@ class Recorder:
 
 def _record() -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
     """Runs every launcher on meta tensors at decode sizes and returns the kernel launches."""
-    from serving.engine.kernels import triton_attention, triton_lora, triton_ops
+    from serving.engine.kernels import triton_attention, triton_ops
 
     recorders: list[Recorder] = []
-    for module in (triton_ops, triton_attention, triton_lora):
+    for module in (triton_ops, triton_attention):
         for name in dir(module):
             if name.endswith("_kernel"):
                 recorders.append(Recorder(getattr(module, name)))
@@ -68,8 +68,6 @@ def _record() -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
         triton_attention.decode_attention(t(1, hq, d, dtype=dt), cache, cache, one, one, 0.1)  # 16 splits, merge
         short = cache[:, :, :256]  # a strided view: one split
         triton_attention.decode_attention(t(64, hq, d, dtype=dt), short, short, batch, batch, 0.1)
-        for rows in (1, 64):
-            triton_lora.lora_shrink(t(rows, hidden, dtype=dt), t(128, hidden, dtype=dt), t(rows, 128, dtype=dt))
     return [(rec.kernel, *launch) for rec in recorders for launch in rec.launches]
 
 

@@ -181,27 +181,6 @@ def test_reference_prefill_attention_is_the_naive_loop() -> None:
                 torch.testing.assert_close(out[b, i, h], probs @ c.v_cache[slot, h // (hq // hkv), :seen])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_reference_lora_is_the_naive_sum_over_slots(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(5)
-    n, d, slots, r, o = 3, 24, 3, 4, 10
-    x, a = rand((n, d), dtype, "cpu", gen), rand((slots * r, d), dtype, "cpu", gen)
-    b, w = rand((o, slots * r), dtype, "cpu", gen), rand((n, slots * r), dtype, "cpu", gen)
-    y = rand((n, o), dtype, "cpu", gen)
-    h = reference.lora_shrink(x, a, w)
-    tol = {"rtol": 2e-2, "atol": 1e-4} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
-    expected = y.double().clone()
-    for row in range(n):
-        for s in range(slots):
-            cols = slice(s * r, (s + 1) * r)
-            hs = (a[cols].double() @ x[row].double()) * w[row, cols].double()  # (r,)
-            torch.testing.assert_close(h[row, cols].double(), hs, **tol)
-            expected[row] += b[:, cols].double() @ h[row, cols].double()
-    out = reference.lora_expand_add(y, h, b)
-    assert out is y
-    torch.testing.assert_close(y.double(), expected, **tol)
-
-
 def test_cpu_without_the_flag_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(kernels.INTERPRET_ENV, raising=False)
     gate_up = rand((2, 8), torch.float32, "cpu", torch.Generator().manual_seed(6))
@@ -297,20 +276,6 @@ def test_triton_decode_attention_split_and_merged(triton_path: None, dtype: torc
     assert triton_attention.split_plan(70) == (1, 128) and triton_attention.split_plan(8) == (1, 16)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_triton_lora_shrink(triton_path: None, dtype: torch.dtype, splits: int | None) -> None:
-    from serving.engine.kernels import triton_lora
-
-    gen = torch.Generator().manual_seed(12)
-    n, d, r = 19, 200, 40  # a row tile and a column tile cut short, d not a multiple of the step
-    x, a, w = rand((n, d), dtype, "cpu", gen), rand((r, d), dtype, "cpu", gen) * 0.1, rand((n, r), dtype, "cpu", gen)
-    ref = reference.lora_shrink(x, a, w)
-    assert_near(triton_lora.lora_shrink(x, a, w, splits=splits), ref, exact_share=0.9)
-    if splits is None:
-        assert_near(kernels.lora_shrink(x, a, w), ref, exact_share=0.9)  # the dispatcher's Triton path
-
-
 # --- the same kernels compiled for an H100 (no GPU needed) ------------------------------------------------------
 
 
@@ -324,6 +289,5 @@ def test_triton_kernels_compile_for_sm90_without_spills() -> None:
     report = json.loads(run.stdout)["kernels"]
     assert {k["kernel"] for k in report} == {
         "_rms_norm_kernel", "_rotary_kv_kernel", "_silu_mul_kernel", "_decode_split_kernel", "_decode_merge_kernel",
-        "_shrink_kernel", "_shrink_epilogue_kernel",
     }
     assert [k for k in report if k["local_bytes"] or k["registers"] > 128] == []  # no spills, 4+ CTAs per SM

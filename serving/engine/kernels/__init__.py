@@ -1,15 +1,16 @@
 """Fused kernels of the decode step, each with its plain-PyTorch reference.
 
-The functions here dispatch: Triton kernels (serving.engine.kernels.triton_ops, triton_attention,
-triton_lora) when the tensors are on CUDA and triton imports, else the PyTorch reference
-(serving.engine.kernels.reference), which is the CPU path and the semantics. With FEDMOSAIC_TRITON_INTERPRET=1
-in the environment, CPU tensors also take the Triton path, through Triton's interpreter (for tests: if
-triton is not imported yet, the first such call sets TRITON_INTERPRET=1 for the whole process, so CUDA
-tensors then fall back to the reference). `uses_triton` says which path a tensor takes.
+The functions here dispatch: Triton kernels (serving.engine.kernels.triton_ops, triton_attention)
+when the tensors are on CUDA and triton imports, else the PyTorch reference
+(serving.engine.kernels.reference), which is the CPU path and the semantics. With
+FEDMOSAIC_TRITON_INTERPRET=1 in the environment, CPU tensors also take the Triton path, through
+Triton's interpreter (for tests: if triton is not imported yet, the first such call sets
+TRITON_INTERPRET=1 for the whole process, so CUDA tensors then fall back to the reference).
+`uses_triton` says which path a tensor takes.
 
 Every function is CUDA-graph capturable on both paths (no host synchronisation, shapes only).
-prefill_attention and lora_expand_add always run the reference; lora_shrink runs torch on CUDA unless
-LORA_SHRINK_TRITON is set (bench/gpu_kernels.py measures whether the Triton kernel wins).
+prefill_attention always runs the reference. The adapter GEMMs are not here: they are two plain
+matrix products over the stacked slots (:class:`serving.engine.runner.lora_slots.LoraSlots`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ from serving.engine.kernels import reference
 
 __all__ = [
     "INTERPRET_ENV",
-    "LORA_SHRINK_TRITON",
     "decode_attention",
-    "lora_expand_add",
-    "lora_shrink",
     "prefill_attention",
     "reference",
     "rms_norm",
@@ -37,10 +35,8 @@ __all__ = [
 ]
 
 INTERPRET_ENV = "FEDMOSAIC_TRITON_INTERPRET"
-# Whether lora_shrink runs the fused Triton kernel on CUDA (torch's mm + mul otherwise).
-LORA_SHRINK_TRITON = False
 
-# The Triton modules once imported: "ops", "attention", "lora" (None when triton does not import).
+# The Triton modules once imported: "ops", "attention" (None when triton does not import).
 _TRITON: dict[str, ModuleType | None] = {}
 
 
@@ -50,11 +46,11 @@ def _triton_modules(cpu: bool) -> dict[str, ModuleType | None]:
         if cpu and "triton" not in sys.modules:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         try:
-            from serving.engine.kernels import triton_attention, triton_lora, triton_ops
+            from serving.engine.kernels import triton_attention, triton_ops
         except ImportError:
-            _TRITON.update(ops=None, attention=None, lora=None)
+            _TRITON.update(ops=None, attention=None)
         else:
-            _TRITON.update(ops=triton_ops, attention=triton_attention, lora=triton_lora)
+            _TRITON.update(ops=triton_ops, attention=triton_attention)
     return _TRITON
 
 
@@ -192,37 +188,3 @@ def prefill_attention(
         (B, T, Hq, D) in q.dtype (padded queries: finite, meaningless).
     """
     return reference.prefill_attention(q, k_cache, v_cache, slots, starts, lengths, scale)
-
-
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """(x @ A^T) * w for rank-concatenated adapters: see reference.lora_shrink.
-
-    Args:
-        x: (N, d) inputs.
-        a: (R, d) stacked A matrices.
-        w: (N, R) per-row, per-column weights.
-        use_triton: run the Triton kernel where uses_triton(x) allows it; None: on CPU (interpreter)
-            always, on CUDA when LORA_SHRINK_TRITON is set.
-
-    Returns:
-        (N, R).
-    """
-    if use_triton is None:
-        use_triton = LORA_SHRINK_TRITON or not x.is_cuda
-    if use_triton and uses_triton(x):
-        return _TRITON["lora"].lora_shrink(x, a, w)
-    return reference.lora_shrink(x, a, w)
-
-
-def lora_expand_add(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """y += h @ B^T in place (torch addmm_): see reference.lora_expand_add.
-
-    Args:
-        y: (N, o) updated in place.
-        h: (N, R) lora_shrink's output.
-        b: (o, R) concatenated B matrices.
-
-    Returns:
-        y.
-    """
-    return reference.lora_expand_add(y, h, b)

@@ -220,31 +220,3 @@ def prefill_attention(
         out = F.scaled_dot_product_attention(q.to(dtype).transpose(1, 2), k.to(dtype), v.to(dtype),
                                              attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, Hq, T, D)
     return out.transpose(1, 2).to(q.dtype)
-
-
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """First half of a rank-concatenated multi-LoRA: project onto all slots' A, weight per row.
-
-    Args:
-        x: (N, d) inputs.
-        a: (R, d) the S adapter slots' A matrices stacked (R = S * r).
-        w: (N, R) per-row weight of each column (the row's weight for the slot times its scaling).
-
-    Returns:
-        (N, R) (x @ A^T) * w, the product rounded to the dtype before the weighting.
-    """
-    return torch.mm(x, a.t()).mul_(w)
-
-
-def lora_expand_add(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Second half of a rank-concatenated multi-LoRA: y += h @ B^T, in place.
-
-    Args:
-        y: (N, o) base projection output, updated in place.
-        h: (N, R) lora_shrink's output.
-        b: (o, R) the slots' B matrices concatenated along the rank.
-
-    Returns:
-        y.
-    """
-    return y.addmm_(h, b.t())
