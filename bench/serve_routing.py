@@ -79,7 +79,7 @@ def main() -> None:
     ms = {k: round(1e3 * median(v), 2) for k, v in seconds.items()}
     print(json.dumps({
         "model": args.model, "dtype": loaded.dtype, "threads": torch.get_num_threads(), "clients": CLIENTS,
-        "S": routed.config.feddpa_samples, "mode": routed.config.feddpa_mode, "tokens_per_request": args.tokens,
+        "S": routed.config.feddpa.samples, "mode": routed.config.feddpa.mode, "tokens_per_request": args.tokens,
         "rounds": args.rounds, "ms_median": ms,
         "added_ms_ttft_instance": round(ms["ttft_instance"] - ms["ttft_fixed"], 2),
         "added_ms_ttft_instance_exact": round(ms["ttft_instance_exact"] - ms["ttft_fixed"], 2),

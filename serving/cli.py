@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from models.settings import DEVICE_HELP, device_option, resolve_device
+from routing.feddpa_options import OPTION_NAMES, add_option_arguments
 from serving.settings import ServeSettings
 
 
@@ -35,31 +36,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=None, help="default 1024")
     p.add_argument("--adapter-root", default=None,
                    help="runtime-loaded adapters must lie inside it (default: the run directory)")
-    p.add_argument("--feddpa-routing", choices=["instance", "fixed"], default=None,
-                   help="<client> targets: instance-wise weights from the run's embeddings (default), or its fixed "
-                        "weight (older spelling of --feddpa-weighting)")
-    p.add_argument("--feddpa-weighting", choices=["paper", "calibrated", "fixed"], default=None,
-                   help="<client> weighting: calibrated (default; README, 'Instance-wise weighting'), paper "
-                        "(lambda * mean cosine) or fixed (the run's alpha); env FEDMOSAIC_SERVE_FEDDPA_WEIGHTING")
-    p.add_argument("--feddpa-similarity", choices=["cosine", "neg-l2", "pearson"], default=None,
-                   help="<client> instance-wise similarity: cosine (default), neg-l2 or pearson (paper 000 Table 9; "
-                        "default weighting then paper); env FEDMOSAIC_SERVE_FEDDPA_SIMILARITY")
-    p.add_argument("--feddpa-variant", choices=["paper", "reference"], default=None,
-                   help="paper: a weights the local adapter (default); reference: the FedDPA reference code, a "
-                        "weights the global adapter; env FEDMOSAIC_SERVE_FEDDPA_VARIANT")
-    p.add_argument("--feddpa-embedding", choices=["last", "mean"], default=None,
-                   help="the prompt's last-token state (default) or its mean over the tokens (paper 000 Table 10; "
-                        "`fedmosaic calibrate RUN --feddpa-embedding mean` first); "
-                        "env FEDMOSAIC_SERVE_FEDDPA_EMBEDDING")
-    p.add_argument("--feddpa-samples", type=int, default=None,
-                   help="S, the client's local instances each request is compared with (default 5); "
-                        "env FEDMOSAIC_SERVE_FEDDPA_SAMPLES")
-    p.add_argument("--feddpa-mode", choices=["random", "knn"], default=None,
-                   help="S drawn at random (the paper, default) or the S nearest; env FEDMOSAIC_SERVE_FEDDPA_MODE")
-    p.add_argument("--feddpa-prefill", choices=["exact", "once"], default=None,
-                   help="exact (default): a <client> prompt is prefilled again with its routed weights; once: the "
-                        "routing pass's cache (global adapter) is kept, only decoding uses the routed weights (faster, "
-                        "not the paper's exact rule); env FEDMOSAIC_SERVE_FEDDPA_PREFILL")
+    add_option_arguments(p, env="FEDMOSAIC_SERVE_FEDDPA_")  # each FedDPA option's one definition
 
 
 def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
@@ -117,11 +94,7 @@ def _timeout(text: str) -> float | object:
 _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype", "device": "device",
             "max_loras": "max_loras", "max_batch_size": "max_batch_size", "max_model_len": "max_model_len",
             "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
-            "feddpa_routing": "feddpa_routing", "feddpa_weighting": "feddpa_weighting", "host": "host",
-            "feddpa_similarity": "feddpa_similarity", "feddpa_variant": "feddpa_variant",
-            "feddpa_embedding": "feddpa_embedding", "feddpa_samples": "feddpa_samples",
-            "feddpa_mode": "feddpa_mode", "feddpa_prefill": "feddpa_prefill",
-            "port": "port", "api_key": "api_keys",
+            "host": "host", "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
             "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",
@@ -129,7 +102,8 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "max_decode_skips": "max_decode_skips", "prefix_cache_slots": "prefix_cache_slots",
             "max_lora_rank": "max_lora_rank",
             "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
-            "exit_on_engine_failure": "exit_on_engine_failure"}
+            "exit_on_engine_failure": "exit_on_engine_failure",
+            **{f"feddpa_{name}": f"feddpa_{name}" for name in OPTION_NAMES}}
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -194,9 +168,8 @@ def add_batch_arguments(subparsers: Any) -> argparse.ArgumentParser:
 def run_batch(args: argparse.Namespace) -> int:
     """Answer the batch file; print a JSON summary. Exit status 0 even when some lines failed."""
     from routing.base import RoutingError
-    from serving.api.app import stack_config
     from serving.batch import BatchConfig, run_batch
-    from serving.stack import build_stack
+    from serving.stack import build_stack, stack_config
     from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend, vllm_importable
 
     settings = settings_from_args(args)

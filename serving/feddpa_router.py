@@ -33,6 +33,7 @@ import torch
 from routing.base import RoutingDecision
 from routing.cache import IndexCache, check_index_pooling
 from routing.feddpa import FedDPARouter
+from routing.feddpa_options import FedDPAOptions
 
 
 @dataclass
@@ -60,23 +61,19 @@ class InstanceWeightRouter:
         return self.router.embedding
 
     @classmethod
-    def for_run(cls, run_dir: Path, lambda_: float, S: int = 5, mode: str = "random", seed: int | None = 0,
-                version: int = 0, version_of: Callable[[str], int | None] | None = None,
-                weighting: str = "paper", similarity: str = "cosine", variant: str = "paper",
-                embedding: str = "last") -> InstanceWeightRouter:
+    def for_run(cls, run_dir: Path, lambda_: float, options: FedDPAOptions = FedDPAOptions(), seed: int | None = 0,
+                version: int = 0, version_of: Callable[[str], int | None] | None = None) -> InstanceWeightRouter:
         """Build from a run directory's ``adapters/clients/<id>/embeddings.*`` files.
 
-        ``weighting`` is ``paper`` or ``calibrated`` (``routing.calibration``; needs each client's
-        ``embeddings.calibration.json``, else that client is weighted by the paper's rule);
-        ``similarity``, ``variant`` and ``embedding`` are :class:`~routing.feddpa.FedDPARouter`'s.
+        ``options`` (:class:`~routing.feddpa_options.FedDPAOptions`) give S, the sampling mode, the rule
+        (``calibrated`` needs each client's ``embeddings.calibration.json``, else that client is weighted
+        by the paper's rule), the similarity, the variant and the pooling.
 
         Raises:
             RoutingError: bad options, calibrated combined with an ablation of the paper's rule, or a
                 client whose index was pooled otherwise than ``embedding`` (the message names the fix).
         """
-        router = cls(FedDPARouter(lambda_=lambda_, S=S, mode=mode, seed=seed, weighting=weighting,  # type: ignore[arg-type]
-                                  similarity=similarity, variant=variant, embedding=embedding),  # type: ignore[arg-type]
-                     IndexCache.for_run(run_dir), version, version_of)
+        router = cls(options.router(lambda_, seed), IndexCache.for_run(run_dir), version, version_of)
         router.check_run(run_dir)
         return router
 

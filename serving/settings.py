@@ -14,7 +14,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from routing.embedding import Pooling
+from routing.feddpa import Mode, Similarity, Variant, similarity_name
+from routing.feddpa_options import OPTION_NAMES, FedDPAOptions, Prefill, Routing, Rule, option_default, option_help
+
 Keys = Annotated[list[str], NoDecode]  # from the environment: a JSON list or comma-separated
+
+
+def _feddpa(name: str, **checks: Any) -> Any:
+    """The setting ``feddpa_<name>``: default and description from :class:`FedDPAOptions`, its one definition."""
+    return Field(option_default(name), description=option_help(name), **checks)
 
 
 class ServeSettings(BaseSettings):
@@ -71,60 +80,33 @@ class ServeSettings(BaseSettings):
         "else gets the mode and the weights")
     protect_metrics: bool = Field(False, description="/metrics needs an admin key (when admin keys are configured)")
     default_alpha: float = Field(0.5, ge=0, le=1, description="FedDPA local weight without run.json or router")
-    feddpa_routing: str = Field(
-        "instance", pattern="^(instance|fixed)$",
-        description="<client> targets: instance-wise weights from the run's embeddings, or fixed",
-    )
-    feddpa_weighting: str | None = Field(
-        None, pattern="^(paper|calibrated|fixed)$",
-        description="<client> weighting: calibrated (default), paper (lambda * mean cosine) or fixed (the run's "
-                    "alpha); null follows feddpa_routing (instance: calibrated)",
-    )
-    feddpa_samples: int = Field(5, ge=1, description="S, local instances compared per request")
-    feddpa_prefill: Literal["exact", "once"] = Field(
-        "exact", description="<client> prompts with instance-wise weights: exact (prefilled again with the routed "
-        "weights, the paper's rule for every token) or once (the routing pass's KV cache, computed with the "
-        "global adapter, is kept and only the decoded tokens use the routed weights: one prefill, not exact)")
-    feddpa_mode: str = Field("random", pattern="^(random|knn)$", description="random S (paper) or the S nearest")
-    feddpa_similarity: str = Field(
-        "cosine", description="similarity of the prompt to the client's instances: cosine (paper), neg-l2 or pearson "
-        "(paper 000 Table 9); with neg-l2 or pearson the default weighting is paper")
-    feddpa_variant: str = Field(
-        "paper", pattern="^(paper|reference)$", description="paper: a weights the local adapter; reference: the "
-        "FedDPA reference code's assignment, a weights the global adapter (default weighting then paper)")
-    feddpa_embedding: str = Field(
-        "last", pattern="^(last|mean)$", description="the prompt's final-layer state: last token (paper) or mean "
-        "over its tokens (paper 000 Table 10; needs indexes rebuilt by `fedmosaic calibrate --feddpa-embedding mean`)")
+    # FedDPA's options: each defined once in routing.feddpa_options (type, default, help, checks)
+    feddpa_routing: Routing = _feddpa("routing")
+    feddpa_weighting: Rule | None = _feddpa("weighting")
+    feddpa_samples: int = _feddpa("samples", ge=1)
+    feddpa_prefill: Prefill = _feddpa("prefill")
+    feddpa_mode: Mode = _feddpa("mode")
+    feddpa_similarity: Similarity = _feddpa("similarity")
+    feddpa_variant: Variant = _feddpa("variant")
+    feddpa_embedding: Pooling = _feddpa("embedding")
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 
-    def feddpa_plan(self) -> tuple[str, str]:
-        """``(routing, rule)`` for the stack: ``feddpa_weighting`` wins over the older ``feddpa_routing``.
-
-        Without a weighting, the rule is the calibrated one, or the paper's for an ablation of it
-        (``routing.feddpa.resolve_weighting``).
-        """
-        from routing.feddpa import DEFAULT_WEIGHTING, resolve_weighting
-
-        if self.feddpa_weighting == "fixed":
-            return "fixed", DEFAULT_WEIGHTING
-        rule = resolve_weighting(self.feddpa_weighting, self.feddpa_similarity, self.feddpa_variant)
-        return (self.feddpa_routing if self.feddpa_weighting is None else "instance"), rule
+    def feddpa_options(self) -> FedDPAOptions:
+        """The ``feddpa_*`` settings as the stack's :class:`~routing.feddpa_options.FedDPAOptions`."""
+        return FedDPAOptions(**{name: getattr(self, f"feddpa_{name}") for name in OPTION_NAMES})
 
     @field_validator("feddpa_similarity", mode="before")
     @classmethod
     def _similarity(cls, value: Any) -> Any:
         """``neg-l2`` (the command line's spelling) and ``neg_l2`` alike; anything else is refused."""
-        from routing.feddpa import similarity_name
-
         return similarity_name(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _feddpa_rule(self) -> ServeSettings:
         """Refuse the calibrated weighting with an ablation of the paper's rule here, before anything loads."""
-        if self.feddpa_weighting != "fixed":
-            self.feddpa_plan()
+        self.feddpa_options()
         return self
 
     @model_validator(mode="after")

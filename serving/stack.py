@@ -20,17 +20,17 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from adapters import AdaptedModel, inject
 from models import LoadedModel, load_base_model
 from routing.base import local_name
-from routing.embedding import POOLINGS
-from routing.feddpa import DEFAULT_WEIGHTING, SIMILARITIES, VARIANTS, WEIGHTINGS, resolve_weighting
+from routing.feddpa_options import FedDPAOptions
 from serving.engine import Engine, EngineConfig
 from serving.engine.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.engine.sampling import SamplingParams
 from serving.pool import AdapterPool, Lease, RunInfo
+from serving.settings import ServeSettings
 from serving.targets import TargetPlan, TargetResolver, WeightRouter
 
 logger = logging.getLogger(__name__)
@@ -52,17 +52,9 @@ class StackConfig:
         target_modules: Linear layers to adapt.
         max_loras: adapters loaded at once (LRU beyond).
         engine: batch and length limits of the engine.
-        feddpa_routing: ``<client>`` targets use instance-wise weights from the run's embeddings
-            (``instance``; needs ``embeddings.npy``) or the run's fixed ``inference_weight``.
-        feddpa_weighting: the instance-wise rule: ``paper`` (``lambda * mean cosine``) or ``calibrated``
-            (``routing.calibration``, the default).
-        feddpa_samples: S, local instances compared per request.
-        feddpa_mode: ``random`` S (paper) or the S nearest (``knn``).
-        feddpa_similarity: ``cosine`` (paper), ``neg_l2`` or ``pearson`` (paper 000 Table 9).
-        feddpa_variant: ``paper`` (``a`` weights the local adapter) or ``reference`` (the reference code:
-            ``a`` weights the global adapter).
-        feddpa_embedding: the prompt's ``last`` token state (paper) or the ``mean`` over its tokens (Table 10);
-            the run's indexes must be pooled the same way (``fedmosaic calibrate --feddpa-embedding``).
+        feddpa: how ``<client>`` targets are weighted (:class:`~routing.feddpa_options.FedDPAOptions`,
+            each option's one definition): instance-wise from the run's embeddings (needs
+            ``embeddings.npy``) or the run's fixed ``inference_weight``.
         default_alpha: the fixed local weight when the run records none.
         check_base: refuse adapters trained on another base model.
     """
@@ -77,27 +69,11 @@ class StackConfig:
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     max_loras: int = 16
     engine: EngineConfig = EngineConfig()
-    feddpa_routing: Literal["instance", "fixed"] = "instance"
-    feddpa_weighting: Literal["paper", "calibrated"] = DEFAULT_WEIGHTING
-    feddpa_samples: int = 5
-    feddpa_mode: Literal["random", "knn"] = "random"
-    feddpa_similarity: Literal["cosine", "neg_l2", "pearson"] = "cosine"
-    feddpa_variant: Literal["paper", "reference"] = "paper"
-    feddpa_embedding: Literal["last", "mean"] = "last"
+    feddpa: FedDPAOptions = FedDPAOptions()
     default_alpha: float = 0.5
     check_base: bool = True
 
     def __post_init__(self) -> None:
-        if self.feddpa_routing not in ("instance", "fixed"):
-            raise ValueError(f"feddpa_routing must be 'instance' or 'fixed', got {self.feddpa_routing!r}")
-        if self.feddpa_weighting not in WEIGHTINGS:
-            raise ValueError(f"feddpa_weighting must be one of {WEIGHTINGS}, got {self.feddpa_weighting!r}")
-        for name, allowed in (("feddpa_similarity", SIMILARITIES), ("feddpa_variant", VARIANTS),
-                              ("feddpa_embedding", POOLINGS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.feddpa_routing == "instance":  # the calibrated rule with an ablation of the paper's: refused
-            resolve_weighting(self.feddpa_weighting, self.feddpa_similarity, self.feddpa_variant)
         bad = [s for s in self.adapters if "=" not in s or not s.partition("=")[0] or not s.partition("=")[2]]
         if bad:
             raise ValueError(f"adapters must be given as name=folder, got {bad}")
@@ -106,6 +82,21 @@ class StackConfig:
     def base_name(self) -> str:
         """The target name of the bare base model."""
         return self.served_model_name or self.model
+
+
+def stack_config(settings: ServeSettings) -> StackConfig:
+    """The stack configuration of the server's settings (``fedmosaic serve`` and ``fedmosaic batch``)."""
+    s = settings
+    return StackConfig(
+        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
+        adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
+        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
+                                                   max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
+                                                   max_decode_skips=s.max_decode_skips,
+                                                   prefix_cache_slots=s.prefix_cache_slots,
+                                                   max_lora_rank=s.max_lora_rank,
+                                                   request_timeout_s=s.request_timeout_s),
+        feddpa=s.feddpa_options(), default_alpha=s.default_alpha, check_base=s.check_base)
 
 
 @dataclass(frozen=True)
@@ -262,7 +253,7 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
     Args:
         config: what to load.
         router: a FedDPA weight router for ``<client>`` targets (default: instance-wise from the run's
-            embeddings when ``feddpa_routing`` is ``instance`` and they exist, else the fixed weight).
+            embeddings when ``config.feddpa`` asks for instance-wise weights and they exist, else the fixed weight).
         loaded: an already-loaded base model to use instead of loading ``config.model``.
     """
     loaded = loaded if loaded is not None else load_base_model(
@@ -285,28 +276,25 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
         pool.load(name, path)
     alpha = run.inference_weight if run is not None and run.inference_weight is not None else config.default_alpha
     routing = "custom" if router is not None else "fixed"
-    if router is None and run is not None and config.feddpa_routing == "instance" and _has_embeddings(run):
+    feddpa = config.feddpa
+    if router is None and run is not None and feddpa.instance and _has_embeddings(run):
         from serving.feddpa_router import InstanceWeightRouter
 
-        router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, S=config.feddpa_samples,
-                                              mode=config.feddpa_mode, weighting=config.feddpa_weighting,
-                                              version_of=lambda client: pool.version(local_name(client)),
-                                              similarity=config.feddpa_similarity, variant=config.feddpa_variant,
-                                              embedding=config.feddpa_embedding)
+        router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, options=feddpa,
+                                              version_of=lambda client: pool.version(local_name(client)))
         routing = "instance"
-        if config.feddpa_weighting == "calibrated" and not _has_calibration(run):
+        if feddpa.rule == "calibrated" and not _has_calibration(run):
             logger.warning("run %s has no FedDPA calibration: <client> targets use the paper's rule; "
                            "`fedmosaic calibrate %s` adds it", run.root, run.root)
-    if run is not None and config.feddpa_routing == "instance" and routing == "fixed" and run.global_name:
+    if run is not None and feddpa.instance and routing == "fixed" and run.global_name:
         logger.info("run %s has no embedding index: <client> targets use the fixed weight %.3f", run.root, alpha)
     resolver = TargetResolver(config.base_name, pool, router, alpha)
-    info = {"alpha": alpha, "routing": routing, "feddpa_samples": config.feddpa_samples,
-            "feddpa_mode": config.feddpa_mode}
+    info = {"alpha": alpha, "routing": routing, "feddpa_samples": feddpa.samples, "feddpa_mode": feddpa.mode}
     if routing == "instance":
-        info["feddpa_weighting"] = config.feddpa_weighting
+        info["feddpa_weighting"] = feddpa.rule
         # only when ablated: the default's info (an evaluation's cache tag) stays as it was
-        info.update({k: getattr(config, k) for k, default in (("feddpa_similarity", "cosine"),
-                     ("feddpa_variant", "paper"), ("feddpa_embedding", "last")) if getattr(config, k) != default})
+        info.update({f"feddpa_{k}": getattr(feddpa, k) for k, default in (("similarity", "cosine"),
+                     ("variant", "paper"), ("embedding", "last")) if getattr(feddpa, k) != default})
     return ServingStack(config, loaded, adapted, engine, pool, resolver, run, routing, info)
 
 

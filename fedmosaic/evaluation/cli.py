@@ -9,6 +9,7 @@ from adapters import AdapterError
 from fedmosaic.evaluation.backend import WEIGHTING
 from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, compare_runs, evaluate_run
 from models import settings
+from routing.feddpa_options import add_option_arguments
 from training.data import DataError
 from training.metrics import METRICS
 
@@ -38,18 +39,7 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--feddpa-weighting", choices=["paper", "calibrated", "fixed"], default=None,
                    help="instance-wise rule of FedDPA runs: calibrated (default), paper (lambda * mean cosine) "
                         "or fixed; calibrated needs `fedmosaic calibrate` on runs trained before it existed")
-    p.add_argument("--feddpa-samples", type=int, default=5, help="S, local instances per example (instance-wise)")
-    p.add_argument("--feddpa-mode", choices=["random", "knn"], default="random",
-                   help="random S instances (paper) or the S nearest")
-    p.add_argument("--feddpa-similarity", choices=["cosine", "neg-l2", "pearson"], default="cosine",
-                   help="instance-wise similarity: cosine (paper), neg-l2 or pearson (paper 000 Table 9; the default "
-                        "weighting is then paper, calibrated is refused)")
-    p.add_argument("--feddpa-variant", choices=["paper", "reference"], default="paper",
-                   help="paper: a weights the local adapter; reference: the FedDPA reference code, a weights the "
-                        "global adapter (the default weighting is then paper)")
-    p.add_argument("--feddpa-embedding", choices=["last", "mean"], default="last",
-                   help="the prompt's last-token state (paper) or its mean over the tokens (paper 000 Table 10); "
-                        "mean needs the run's indexes rebuilt: `fedmosaic calibrate RUN --feddpa-embedding mean`")
+    add_option_arguments(p, ("samples", "mode", "similarity", "variant", "embedding"))  # as `fedmosaic serve`'s
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     p.add_argument("--compare", action="store_true", help="only tabulate already-evaluated runs side by side")

@@ -32,6 +32,7 @@ from fedmosaic.evaluation.inputs import EvalSetupError
 from fedmosaic.evaluation.predictions import Prediction
 from routing.calibration import CALIBRATION_FILE
 from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS, resolve_weighting
+from routing.feddpa_options import FedDPAOptions
 from serving.beam import GenerationConfig, generate_target
 from serving.engine import EngineConfig
 from serving.engine.sampling import SamplingParams
@@ -219,8 +220,9 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
         model=model or cfg.get("model", "smollm2"), dtype=dtype, device=device, run_dir=run.root,
         max_loras=len(run.clients()) + 4,
         engine=EngineConfig(max_batch_size=batch_size, max_model_len=_NO_LIMIT, max_waiting=max(64, 4 * batch_size)),
-        feddpa_routing=routing, feddpa_weighting=chosen, feddpa_samples=samples, feddpa_mode=mode,  # type: ignore[arg-type]
-        feddpa_similarity=similarity, feddpa_variant=variant, feddpa_embedding=embedding,  # type: ignore[arg-type]
+        feddpa=FedDPAOptions(routing=routing, weighting=chosen if routing == "instance" else None,  # type: ignore[arg-type]
+                             samples=samples, mode=mode, similarity=similarity, variant=variant,  # type: ignore[arg-type]
+                             embedding=embedding),  # type: ignore[arg-type]
         check_base=False)
     stack = build_stack(config)
     if routing == "instance" and stack.routing != "instance":

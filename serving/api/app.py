@@ -23,33 +23,12 @@ from serving.access import KeyRing
 from serving.api import errors, openapi
 from serving.api.dependencies import ServerState
 from serving.api.routes import adapters, chat, completions, health, models, run_files
-from serving.engine import EngineConfig
 from serving.feddpa_router import check_run_pooling
 from serving.settings import ServeSettings
-from serving.stack import StackConfig, build_stack
+from serving.stack import build_stack, stack_config
 from serving.targets import WeightRouter
 
 logger = logging.getLogger(__name__)
-
-
-def stack_config(settings: ServeSettings) -> StackConfig:
-    """The stack configuration of the server's settings."""
-    s = settings
-    routing, weighting = s.feddpa_plan()
-    return StackConfig(
-        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
-        adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
-        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
-                                                   max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
-                                                   max_decode_skips=s.max_decode_skips,
-                                                   prefix_cache_slots=s.prefix_cache_slots,
-                                                   max_lora_rank=s.max_lora_rank,
-                                                   request_timeout_s=s.request_timeout_s),
-        feddpa_routing=routing, feddpa_weighting=weighting,  # type: ignore[arg-type]
-        feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]
-        feddpa_similarity=s.feddpa_similarity, feddpa_variant=s.feddpa_variant,  # type: ignore[arg-type]
-        feddpa_embedding=s.feddpa_embedding,  # type: ignore[arg-type]
-        default_alpha=s.default_alpha, check_base=s.check_base)
 
 
 def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
@@ -189,7 +168,7 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
             (checked here, so the server refuses to start instead of failing every request).
     """
     settings = settings or ServeSettings()
-    if settings.run_dir is not None and router is None and settings.feddpa_plan()[0] == "instance":
+    if settings.run_dir is not None and router is None and settings.feddpa_options().instance:
         check_run_pooling(settings.run_dir, settings.feddpa_embedding)
     keys = KeyRing.build(settings.api_keys, settings.admin_keys, settings.api_key_file, settings.admin_key_file,
                          settings.key_bindings)

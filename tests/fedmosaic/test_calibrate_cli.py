@@ -13,9 +13,9 @@ from fedmosaic.cli import main
 from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError
 from fedmosaic.evaluation.stack_backend import open_backend
 from routing.calibration import CALIBRATION_FILE, Calibration, fingerprint
-from serving.api.app import stack_config
 from serving.cli import add_serve_arguments, settings_from_args
 from serving.settings import ServeSettings
+from serving.stack import stack_config
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +110,12 @@ def test_serve_option_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
     add_serve_arguments(sub)
-    assert ServeSettings().feddpa_plan() == ("instance", "calibrated")
+    default = ServeSettings().feddpa_options()
+    assert (default.instance, default.rule) == (True, "calibrated")
     args = parser.parse_args(["serve", "--feddpa-weighting", "paper"])
-    assert stack_config(settings_from_args(args)).feddpa_weighting == "paper"
+    assert stack_config(settings_from_args(args)).feddpa.rule == "paper"
     monkeypatch.setenv("FEDMOSAIC_SERVE_FEDDPA_WEIGHTING", "fixed")
-    assert stack_config(settings_from_args(parser.parse_args(["serve"]))).feddpa_routing == "fixed"
+    assert not stack_config(settings_from_args(parser.parse_args(["serve"]))).feddpa.instance
     monkeypatch.setenv("FEDMOSAIC_SERVE_FEDDPA_WEIGHTING", "tuned")
     with pytest.raises(ValueError, match="feddpa_weighting"):
         ServeSettings()
@@ -123,8 +124,8 @@ def test_serve_option_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FEDMOSAIC_SERVE_FEDDPA_WEIGHTING")
     config = stack_config(settings_from_args(parser.parse_args(
         ["serve", "--feddpa-samples", "3", "--feddpa-mode", "knn", "--max-decode-skips", "0"])))
-    assert (config.feddpa_samples, config.feddpa_mode, config.engine.max_decode_skips) == (3, "knn", 0)
+    assert (config.feddpa.samples, config.feddpa.mode, config.engine.max_decode_skips) == (3, "knn", 0)
     monkeypatch.setenv("FEDMOSAIC_SERVE_FEDDPA_SAMPLES", "2")  # the environment applies when the option is left out
-    assert stack_config(settings_from_args(parser.parse_args(["serve"]))).feddpa_samples == 2
+    assert stack_config(settings_from_args(parser.parse_args(["serve"]))).feddpa.samples == 2
     with pytest.raises(SystemExit, match="feddpa_samples"):
         settings_from_args(parser.parse_args(["serve", "--feddpa-samples", "0"]))

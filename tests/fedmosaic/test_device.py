@@ -44,8 +44,8 @@ def test_serve_settings_and_the_flower_config_carry_a_checked_device(one_gpu: No
     del one_gpu
     from pydantic import ValidationError
 
-    from serving.api.app import stack_config
     from serving.settings import ServeSettings
+    from serving.stack import stack_config
     from training.flower import FlowerConfig, client_resources
 
     assert ServeSettings().device is None

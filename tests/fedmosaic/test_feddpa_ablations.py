@@ -20,9 +20,10 @@ from routing.base import RoutingError
 from routing.cache import IndexCache, index_pooling
 from routing.calibration import Calibration, fingerprint
 from routing.feddpa import FedDPARouter
-from serving.api.app import stack_config
+from routing.feddpa_options import FedDPAOptions
 from serving.cli import add_serve_arguments, settings_from_args
 from serving.feddpa_router import InstanceWeightRouter
+from serving.stack import stack_config
 from training.data import load_run_dataset
 from training.personalize import instance_prompts
 
@@ -117,8 +118,8 @@ def test_environment_reaches_the_settings_and_options_win(run: RunDir, monkeypat
     assert (settings.feddpa_similarity, settings.feddpa_variant, settings.feddpa_embedding) == \
         ("neg_l2", "reference", "mean")
     config = stack_config(settings)
-    assert (config.feddpa_similarity, config.feddpa_variant, config.feddpa_embedding) == ("neg_l2", "reference", "mean")
-    assert (config.feddpa_routing, config.feddpa_weighting) == ("instance", "paper")  # an ablation: the paper's rule
+    assert (config.feddpa.similarity, config.feddpa.variant, config.feddpa.embedding) == ("neg_l2", "reference", "mean")
+    assert (config.feddpa.instance, config.feddpa.rule) == (True, "paper")  # an ablation: the paper's rule
     given = settings_from_args(parse_serve([str(run.root), "--feddpa-similarity", "pearson", "--feddpa-variant",
                                             "paper", "--feddpa-embedding", "last"]))
     assert (given.feddpa_similarity, given.feddpa_variant, given.feddpa_embedding) == ("pearson", "paper", "last")
@@ -195,7 +196,8 @@ def test_a_request_reads_only_its_own_clients_index(run: RunDir, tmp_path: Path)
     shutil.copytree(run.client_dir(b), mixed.client_dir(b), dirs_exist_ok=True)  # b: back to last-token
     (mixed.client_dir(b) / "embeddings.kind.json").unlink(missing_ok=True)  # an index from before the record
     with pytest.raises(RoutingError, match=rf"clients \['{b}'\] holds 'last'"):
-        InstanceWeightRouter.for_run(mixed.root, lambda_=0.5, embedding="mean")
+        InstanceWeightRouter.for_run(mixed.root, lambda_=0.5,
+                                     options=FedDPAOptions(weighting="paper", embedding="mean"))
     # past the start-up check (an index swapped while serving), each request still reads its client's files only
     router = InstanceWeightRouter(FedDPARouter(lambda_=0.5, embedding="mean"), IndexCache.for_run(mixed.root))
     state = torch.randn(np.load(mixed.embeddings(a)).shape[1])

@@ -22,6 +22,7 @@ from adapters.amole_io import load_amole
 from adapters.amole_routing import AMoLERouting
 from fedmosaic.cli import main
 from models import load_base_model, tiny_llama
+from routing.feddpa_options import FedDPAOptions
 from serving.beam import GenerationConfig, generate_target
 from serving.engine.sampling import SamplingParams
 from serving.stack import Job, Outcome, StackConfig, build_stack
@@ -52,7 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path
 
 
 def _serve(run: Path, device: str) -> list[Outcome]:
-    config = StackConfig(model="tiny", dtype="float32", device=device, run_dir=run, feddpa_mode="knn")
+    config = StackConfig(model="tiny", dtype="float32", device=device, run_dir=run, feddpa=FedDPAOptions(mode="knn"))
     stack = build_stack(config)
     assert stack.loaded.device.type == device
     targets = [t for t in ("sorting", "capitals", "global", "sorting:local") if t in stack.models()]
@@ -121,8 +122,9 @@ def test_a_run_trained_on_one_device_is_served_on_the_other(runs: dict, method: 
 
 def test_beam_search_serves_a_cpu_trained_run_on_cuda(runs: dict) -> None:
     run = runs[("feddpa-t", "cpu")]
-    gpu = build_stack(StackConfig(model="tiny", dtype="float32", device="cuda", run_dir=run, feddpa_mode="knn"))
-    cpu = build_stack(StackConfig(model="tiny", dtype="float32", device="cpu", run_dir=run, feddpa_mode="knn"))
+    knn = FedDPAOptions(mode="knn")
+    gpu = build_stack(StackConfig(model="tiny", dtype="float32", device="cuda", run_dir=run, feddpa=knn))
+    cpu = build_stack(StackConfig(model="tiny", dtype="float32", device="cpu", run_dir=run, feddpa=knn))
     config = GenerationConfig(max_new_tokens=4, num_beams=2)
     for target in ("sorting", "global"):
         a, b = generate_target(gpu, target, PROMPTS, config), generate_target(cpu, target, PROMPTS, config)

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from fedmosaic.cli import main
 from models import tiny_llama
+from routing.feddpa_options import FedDPAOptions
 from serving.api import create_app
 from serving.batch import BatchConfig, parse_line, run_batch
 from serving.engine import EngineConfig
@@ -177,7 +178,7 @@ def test_a_relative_run_directory_loads_from_the_working_directory(run_dir: Path
     # `fedmosaic eval runs/x` / `fedmosaic serve runs/x`: the run dir is also the pool's root, and a relative
     # name must not be looked up inside itself (runs/x/runs/x)
     monkeypatch.chdir(run_dir.parent)
-    relative = build_stack(StackConfig(model="tiny", run_dir=Path(run_dir.name), feddpa_routing="fixed"))
+    relative = build_stack(StackConfig(model="tiny", run_dir=Path(run_dir.name), feddpa=FedDPAOptions(routing="fixed")))
     assert {"global", "0:local", "1:local"} <= set(relative.pool.names())
 
 

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from models import tiny_llama
+from routing.feddpa_options import FedDPAOptions
 from serving.api.app import create_app
 from serving.settings import ServeSettings
 from training.data import generate_suite
@@ -16,6 +17,7 @@ from training.runtime import preset
 from training.simulation import SimConfig, run_federated
 
 FAMILIES = ["sorting", "capitals"]
+PAPER_S2 = FedDPAOptions(weighting="paper", samples=2)  # the paper's rule over S = 2 instances
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +91,12 @@ def test_seeded_random_draws_depend_on_the_prompt_not_on_request_order(run_dir: 
 
     width = tiny_llama().model.config.hidden_size
     states = [torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    first = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)
+    first = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, options=PAPER_S2, seed=0)
     forward = [first("sorting", s).info["mean_similarity"] for s in states]
-    again = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)  # e.g. a resumed evaluation
+    again = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, options=PAPER_S2, seed=0)  # e.g. a resumed evaluation
     backward = [again("sorting", s).info["mean_similarity"] for s in reversed(states)]
     assert forward == backward[::-1]
-    other = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=1)
+    other = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, options=PAPER_S2, seed=1)
     assert [other("sorting", s).info["mean_similarity"] for s in states] != forward  # the seed matters
 
 
@@ -106,7 +108,7 @@ def test_seeded_random_draws_key_on_the_prompt_ids_not_the_states_rounding(run_d
     from serving.feddpa_router import InstanceWeightRouter
 
     width = tiny_llama().model.config.hidden_size
-    router = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, S=2, seed=0)
+    router = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, options=PAPER_S2, seed=0)
     assert router.reads_prompt_ids
     state = torch.randn(width, generator=torch.Generator().manual_seed(3))
     nudged = state + 1e-6 * torch.randn(width, generator=torch.Generator().manual_seed(4))

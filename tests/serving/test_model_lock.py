@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from models import tiny_llama
+from routing.feddpa_options import FedDPAOptions
 from serving.engine.model_lock import ModelLock
 from serving.engine.sampling import SamplingParams
 from serving.stack import Job, StackConfig, Submitted, build_stack
@@ -76,7 +77,7 @@ def test_a_request_for_loaded_adapters_is_queued_while_a_step_runs(tmp_path: Pat
     for client in ("0", "1"):
         write_adapter(tiny, run / "adapters" / "clients" / client / "local", seed=2 + int(client))
     (run / "run.json").write_text(json.dumps({"method": "feddpa-t", "model": "tiny", "inference_weight": 0.25}))
-    stack = build_stack(StackConfig(model="tiny", run_dir=run, feddpa_routing="fixed", max_loras=2))
+    stack = build_stack(StackConfig(model="tiny", run_dir=run, feddpa=FedDPAOptions(routing="fixed"), max_loras=2))
     lock, engine, pool = stack.engine.model_lock, stack.engine, stack.pool
     sampling = SamplingParams(max_tokens=2, temperature=0)
     first = Job(target="global", prompt="Sort: pear, apple", sampling=sampling)

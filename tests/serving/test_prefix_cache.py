@@ -182,8 +182,8 @@ def test_negative_slots_are_refused() -> None:
 def test_the_server_option_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from serving.api.app import stack_config
     from serving.cli import add_serve_arguments, settings_from_args
+    from serving.stack import stack_config
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser.add_subparsers())

@@ -118,8 +118,8 @@ def test_engine_limits_from_the_command_line() -> None:
 
 
 def test_max_lora_rank_reaches_the_fused_runners_slots() -> None:
-    from serving.api.app import stack_config
     from serving.settings import ServeSettings
+    from serving.stack import stack_config
 
     assert stack_config(ServeSettings(model="tiny", max_lora_rank=32)).engine.max_lora_rank == 32
 

@@ -13,6 +13,7 @@ import torch
 
 from adapters import LoraConfig, inject, load_adapter, save_adapter
 from models import tiny_llama
+from routing.feddpa_options import FedDPAOptions
 from serving.pool import RunInfo
 from serving.stack import ServingStack, StackConfig, build_stack
 from serving.vllm_backend import (
@@ -47,7 +48,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(run_dir: Path) -> ServingStack:
-    return build_stack(StackConfig(model="tiny", run_dir=run_dir, feddpa_routing="fixed"))
+    return build_stack(StackConfig(model="tiny", run_dir=run_dir, feddpa=FedDPAOptions(routing="fixed")))
 
 
 def test_backend_choice(caplog: pytest.LogCaptureFixture) -> None:
