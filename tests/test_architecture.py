@@ -59,3 +59,14 @@ def test_the_layers_table_is_the_import_contract() -> None:
         rows.setdefault(layer, []).append(package)
     assert [sorted(packages) for packages in rows.values()] == contract
     assert set(config["root_packages"]) == set(PACKAGES)
+
+
+def test_the_serving_table_is_the_serving_contract() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (inside,) = [c for c in config["contracts"] if c.get("containers") == ["serving"]]
+    assert "ignore_imports" not in inside
+    contract = [sorted(part.strip() for part in layer.split("|")) for layer in inside["layers"]]
+    section = DOC.read_text().split("## Inside `serving/`")[1].split("\n## ")[0]
+    floors = [re.findall(r"`serving/([\w.]+?)(?:\.py|/)`", row.split("|")[2])
+              for row in section.splitlines() if re.match(r"^\| \w+ \| `serving/", row)]
+    assert [sorted(modules) for modules in floors] == contract

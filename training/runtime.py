@@ -31,7 +31,7 @@ class TrainConfig:
     """Local training settings (FedDPA paper 000 section 5.1 / METHODS.md 2.3 as defaults).
 
     A run's settings come from its method's :class:`training.regime.Regime` under a budget
-    (:func:`method_config`); the defaults here are FedDPA's regime at the paper's budget.
+    (:func:`training.cli.method_settings`); the defaults here are FedDPA's regime at the paper's budget.
 
     Attributes:
         lr: learning rate of round 0 (3e-4, AdamW, linear decay inside each local run, no warm-up).
@@ -97,7 +97,7 @@ class TrainConfig:
         return cls(lora=lora, **data)
 
 
-# FedDPA's regime under each budget (``--preset``); a method's own regime: :func:`method_config`.
+# FedDPA's regime under each budget (``--preset``); a method's own regime: training.cli.method_settings.
 PRESETS: dict[str, TrainConfig] = {name: TrainConfig(**train_fields(FEDDPA_REGIME, name)) for name in BUDGETS}
 
 
