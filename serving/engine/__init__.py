@@ -1,6 +1,7 @@
 """The engine: continuous batching over one frozen base model with per-row adapter weights.
 
-It imports only :mod:`adapters`, :mod:`models` and serving's bottom modules (:mod:`serving.errors`);
+It imports only :mod:`adapters`, :mod:`models`, serving's bottom modules (:mod:`serving.errors`) and
+routing's error types (a failing router fails its request with the right status);
 everything above it (the pool, the composition, the edges) talks to it through these names.
 """
 
