@@ -15,6 +15,7 @@ thread when one runs) and yields each outcome as soon as it finishes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -217,6 +218,30 @@ class ServingStack:
         if lease is not None:
             handle.add_done_callback(lease.release)
         return Submitted(handle, plan)
+
+    def context(self) -> int | None:
+        """The base model's context (``max_position_embeddings``), or None when its config names none."""
+        value = getattr(self.loaded.model.config, "max_position_embeddings", None)  # type: ignore[union-attr]
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    def fit_length(self, length: int) -> None:
+        """Make the engine hold ``length`` positions per request (prompt plus completion), capped by the
+        model's context: an engine whose ``max_model_len`` is shorter is replaced by one sized for it
+        (same model, adapters and lock; a new KV cache), so a batch job allocates what it needs and
+        not a worst case (issue 46: 8 slots x 2^20 positions of a SmolLM2 shape are 292 GiB on CUDA).
+
+        Raises:
+            RuntimeError: the engine's thread runs or it holds requests (it cannot be swapped then).
+        """
+        cap = self.context()
+        length = max(2, min(length, cap) if cap is not None else length)
+        config = self.engine.config
+        if length <= config.max_model_len:
+            return
+        if self.engine.running or self.engine.has_work():
+            raise RuntimeError("the engine cannot be resized while it runs or holds requests")
+        self.engine = Engine(self.loaded, self.adapted, dataclasses.replace(config, max_model_len=length),
+                             model_lock=self.engine.model_lock)
 
     def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]:
         """Run ``jobs`` with continuous batching; yield each outcome as soon as it finishes.
