@@ -30,8 +30,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
     p.add_argument("--max-loras", type=int, default=None, help="adapters loaded at once (LRU beyond; default 16)")
-    p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
-    p.add_argument("--max-model-len", type=int, default=None, help="default 2048")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="KV slots (default: as many as the device's free memory holds; logged at start-up)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt plus completion tokens (default: the model's context, at most 8192)")
     p.add_argument("--max-tokens-limit", type=int, default=None, help="default 1024")
     p.add_argument("--adapter-root", default=None,
                    help="runtime-loaded adapters must lie inside it (default: the run directory)")
@@ -215,7 +217,7 @@ def run_batch(args: argparse.Namespace) -> int:
     executor: Any = stack
     if backend == "vllm":
         export = Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="fedmosaic-levels-"))
-        executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=settings.max_model_len)
+        executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=stack.engine.config.max_model_len)
     config = BatchConfig(max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens,
                          exact_prefill=settings.feddpa_prefill == "exact")
     summary = run_batch(executor, stack.loaded.tokenizer, args.input, args.output, config,

@@ -61,6 +61,7 @@ from serving.prefix_cache import PrefixCache
 from serving.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.runner.inputs import RowAdapters
 from serving.sequence import Finished, Sequence, error_status, failed, result
+from serving.sizing import sized_config
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "StepReport"]
 
@@ -110,6 +111,10 @@ class Engine(PrefillSteps):
         self.device = param.device
         dtype = torch.bfloat16 if loaded.dtype == "autocast-bf16" else param.dtype
         mc = self.model.config  # type: ignore[union-attr]
+        config, self.slot_plan = sized_config(config, mc, dtype, self.device)  # auto slots / context
+        if self.slot_plan is not None:
+            logger.info("%s", self.slot_plan.describe())
+        self.config = config
         heads = int(mc.num_attention_heads)
         head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // heads)
         kv_heads = int(getattr(mc, "num_key_value_heads", None) or heads)

@@ -39,7 +39,10 @@ def stack_config(settings: ServeSettings) -> StackConfig:
     return StackConfig(
         model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
         adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
-        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
+        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size or 8,
+                                                   max_model_len=s.max_model_len or 2048,  # placeholders when auto
+                                                   auto_slots=s.max_batch_size is None,
+                                                   auto_context=s.max_model_len is None,
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
                                                    max_decode_skips=s.max_decode_skips,
                                                    prefix_cache_slots=s.prefix_cache_slots,
@@ -63,6 +66,8 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count,
                        lambda: (engine.prefixes.hits, engine.prefixes.reused_tokens))
     engine.step_observers.append(state.metrics.observe_step)
+    state.metrics.capacity(engine.config.max_batch_size, engine.config.max_model_len,
+                           engine.kv.bytes_for(engine.config.max_model_len))
     if state.settings.exit_on_engine_failure:
         engine.on_failure.append(_exit_soon)
     engine.start()

@@ -46,6 +46,11 @@ class Metrics:
             "fedmosaic_engine_prefill_tokens", "Prompt tokens run through prefill passes (a FedDPA request's "
             "routing and exact passes both count; tokens of a reused prefix do not)", registry=r)
         self.decode_rows = Counter("fedmosaic_engine_decode_rows", "Rows decoded by engine steps", registry=r)
+        self.kv_slots = Gauge("fedmosaic_kv_slots", "KV cache slots: requests decoded at once", registry=r)
+        self.max_model_len = Gauge("fedmosaic_max_model_len", "Positions per slot (prompt plus completion)",
+                                   registry=r)
+        self.kv_bytes = Gauge("fedmosaic_kv_cache_bytes", "The KV cache at full length (on a CPU it grows to it "
+                              "on demand)", registry=r)
         self._prefixes = _PrefixCollector()
         r.register(self._prefixes)
 
@@ -56,6 +61,12 @@ class Metrics:
         self.running.set_function(running)
         self.adapters.set_function(adapters)
         self._prefixes.read = prefixes
+
+    def capacity(self, slots: int, max_model_len: int, kv_bytes: int) -> None:
+        """Record what the engine holds (its slots and context, sized to the machine unless given)."""
+        self.kv_slots.set(slots)
+        self.max_model_len.set(max_model_len)
+        self.kv_bytes.set(kv_bytes)
 
     def observe_step(self, report: StepReport) -> None:
         """Record one engine step (an :attr:`serving.engine.Engine.step_observers` callback)."""
