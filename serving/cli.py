@@ -97,6 +97,10 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds before a request is cancelled and answered 504; 'none' for no deadline (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds running requests get to finish on shutdown (default 10)")
+    p.add_argument("--count-syncs", action="store_true", default=None,
+                   help="count host-device synchronisations per engine step in /metrics (slows the steps)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch profiler trace of 16 engine steps (after the first 8) into DIR")
     p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="exit with status 70 when the engine thread dies, for a supervisor to restart (default on)")
     return p
@@ -131,7 +135,8 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "max_decode_skips": "max_decode_skips", "prefix_cache_slots": "prefix_cache_slots",
             "max_lora_rank": "max_lora_rank",
             "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
-            "exit_on_engine_failure": "exit_on_engine_failure"}
+            "exit_on_engine_failure": "exit_on_engine_failure", "count_syncs": "count_syncs",
+            "profile": "profile_dir"}
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:

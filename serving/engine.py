@@ -52,6 +52,7 @@ from adapters import AdaptedModel
 from models import LoadedModel
 from serving.errors import EngineNotReady, EngineOverloaded
 from serving.executor import Executor, RowOut
+from serving.host_work import StepClock
 from serving.kv import SlotKV
 from serving.lifecycle import EngineConfig
 from serving.logits import RowHistory
@@ -70,11 +71,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepReport:
-    """One engine step that ran a forward: its wall time, prompt tokens prefilled, rows decoded."""
+    """One engine step that ran a forward: its wall time, prompt tokens prefilled, rows decoded, the engine
+    thread's CPU time, and with ``count_syncs`` its host-device synchronisations and the seconds spent in
+    them (:mod:`serving.host_work`; on CUDA, ``seconds - sync_seconds`` is the host's own work)."""
 
     seconds: float
     prefill_tokens: int
     decode_rows: int
+    cpu_seconds: float = 0.0
+    syncs: int = 0
+    sync_seconds: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -282,8 +288,7 @@ class Engine(PrefillSteps):
             # engine would otherwise win the lock back at once, step after step.
             self.model_lock.acquire_after_others()
             try:
-                started = time.perf_counter()
-                with torch.inference_mode():
+                with torch.inference_mode(), StepClock(self.config.count_syncs) as clock:
                     self._expire(finished)
                     self._admit()
                     running = [s for s in self._active if s.phase == "decode" and s.output]
@@ -296,11 +301,10 @@ class Engine(PrefillSteps):
                     first = self._plan([s for s in self._active if s.phase in ("route", "fill")], budget,
                                        reserve=True, exact_budget=None if running else budget)
                     tokens, rows = self._prefill(first, decoding, finished), len(decoding)
-                seconds = time.perf_counter() - started
             finally:
                 self.model_lock.release()
             if tokens or rows:
-                report = StepReport(seconds, tokens, rows)
+                report = StepReport(clock.seconds, tokens, rows, clock.cpu_seconds, clock.syncs, clock.sync_seconds)
                 for observe in list(self.step_observers):
                     try:
                         observe(report)

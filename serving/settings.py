@@ -99,6 +99,10 @@ class ServeSettings(BaseSettings):
         "last", pattern="^(last|mean)$", description="the prompt's final-layer state: last token (paper) or mean "
         "over its tokens (paper 000 Table 10; needs indexes rebuilt by `fedmosaic calibrate --feddpa-embedding mean`)")
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
+    count_syncs: bool = Field(False, description="count host-device synchronisations per engine step (/metrics "
+                              "fedmosaic_engine_syncs_total; a Python call per torch call: for profiling only)")
+    profile_dir: Path | None = Field(None, description="write a torch profiler trace of 16 engine steps (after 8) "
+                                     "into this folder (serving.host_work.StepProfiler)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 

@@ -25,6 +25,7 @@ from serving.api.dependencies import ServerState
 from serving.api.routes import adapters, chat, completions, health, models, run_files
 from serving.engine import EngineConfig
 from serving.feddpa_router import check_run_pooling
+from serving.host_work import StepProfiler
 from serving.settings import ServeSettings
 from serving.stack import StackConfig, build_stack
 from serving.targets import WeightRouter
@@ -47,7 +48,7 @@ def stack_config(settings: ServeSettings) -> StackConfig:
                                                    max_decode_skips=s.max_decode_skips,
                                                    prefix_cache_slots=s.prefix_cache_slots,
                                                    max_lora_rank=s.max_lora_rank,
-                                                   request_timeout_s=s.request_timeout_s),
+                                                   request_timeout_s=s.request_timeout_s, count_syncs=s.count_syncs),
         feddpa_routing=routing, feddpa_weighting=weighting,  # type: ignore[arg-type]
         feddpa_samples=s.feddpa_samples, feddpa_mode=s.feddpa_mode,  # type: ignore[arg-type]
         feddpa_similarity=s.feddpa_similarity, feddpa_variant=s.feddpa_variant,  # type: ignore[arg-type]
@@ -66,6 +67,8 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count,
                        lambda: (engine.prefixes.hits, engine.prefixes.reused_tokens))
     engine.step_observers.append(state.metrics.observe_step)
+    if state.settings.profile_dir is not None:
+        engine.step_observers.append(StepProfiler(state.settings.profile_dir))
     state.metrics.capacity(engine.config.max_batch_size, engine.config.max_model_len,
                            engine.kv.bytes_for(engine.config.max_model_len))
     if state.settings.exit_on_engine_failure:

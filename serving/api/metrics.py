@@ -1,5 +1,6 @@
-"""Prometheus metrics of one server: requests, tokens, latency, time to first token, engine steps and the
-tokens they computed, prompt-prefix reuse, queue, adapters, FedDPA weights.
+"""Prometheus metrics of one server: requests, tokens, latency, time to first token, engine steps (wall and
+CPU time, host-device synchronisations) and the tokens they computed, prompt-prefix reuse, queue, KV
+capacity, adapters, FedDPA weights.
 
 A registry per app (not prometheus-client's global one), so several apps can live in one process
 (tests). Gauges read the engine and pool at scrape time.
@@ -37,6 +38,13 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
         self.step = Histogram("fedmosaic_engine_step_seconds", "Engine step wall time (prefill, decode or mixed)",
                               ["kind"], registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.step_cpu = Histogram("fedmosaic_engine_step_cpu_seconds", "Engine thread CPU time per step (host work; "
+                                  "on CUDA a spinning synchronisation counts too)", ["kind"], registry=r,
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.syncs = Counter("fedmosaic_engine_syncs", "Host-device synchronisations in engine steps (counted with "
+                             "--count-syncs only)", ["kind"], registry=r)
+        self.sync_wait = Counter("fedmosaic_engine_sync_seconds", "Seconds engine steps spent in host-device "
+                                 "synchronisations (--count-syncs only)", ["kind"], registry=r)
         self.feddpa_weight = Histogram("fedmosaic_feddpa_local_weight", "FedDPA local-adapter weight a per request",
                                        registry=r, buckets=tuple(i / 10 for i in range(11)))
         self.queue = Gauge("fedmosaic_queue_size", "Requests waiting to join the batch", registry=r)
@@ -71,6 +79,10 @@ class Metrics:
     def observe_step(self, report: StepReport) -> None:
         """Record one engine step (an :attr:`serving.engine.Engine.step_observers` callback)."""
         self.step.labels(report.kind).observe(report.seconds)
+        self.step_cpu.labels(report.kind).observe(report.cpu_seconds)
+        if report.syncs:
+            self.syncs.labels(report.kind).inc(report.syncs)
+            self.sync_wait.labels(report.kind).inc(report.sync_seconds)
         self.prefill_computed.inc(report.prefill_tokens)
         self.decode_rows.inc(report.decode_rows)
 
