@@ -34,11 +34,15 @@ test: venv
 	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q
 
 # On a CUDA machine (a CUDA build of torch in .venv, see README "GPU"): the tests marked `cuda` only.
-# Without a GPU they are all skipped, each with the reason.
+# Without a GPU they are all skipped, each with the reason. mamba-ssm built by ../shared/gpu/mamba_ssm.sh
+# into MAMBA_SSM (its TARGET) goes on PYTHONPATH, so pFedSeq's kernel test runs instead of being skipped.
+MAMBA_SSM ?= ../shared/gpu/mamba-ssm
+MAMBA_PATH := $(if $(wildcard $(MAMBA_SSM)/mamba_ssm),$(abspath $(MAMBA_SSM)),)
 test-gpu: venv
 	$(VENV)/bin/lint-imports --config pyproject.toml
 	$(VENV)/bin/ruff check .
-	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -m cuda -rs
+	PYTHONPATH="$(MAMBA_PATH)$(if $(MAMBA_PATH),$${PYTHONPATH:+:$$PYTHONPATH},$$PYTHONPATH)" \
+	  FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q -m cuda -rs
 
 # Debian's headless Chromium and its driver for the browser test (tests/demos/test_browser.py); .ci/run
 # runs this before `make test`. Needs root or sudo; nothing to do when both are installed.

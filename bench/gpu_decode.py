@@ -7,6 +7,9 @@ clients' ``local`` adapters. For 1, 8 and 64 concurrent requests of ``--prompt``
 decoding ``--tokens`` tokens each (greedy, eos ignored), cases interleaved round by round:
 
   hf_generate        HF ``generate`` on the same prompts as one static batch (bare base model)
+  hf_static          the same with ``cache_implementation="static"``, which on CUDA compiles the forward
+                     (transformers' own fast path); its first call per batch size compiles and is
+                     reported apart (``hf_static_first_call_s``), the rounds time the compiled calls
   engine_base        the engine (fused runner, CUDA graphs), bare base model
   engine_one_mix     every row the same FedDPA mixture (0.5 global + 0.5 one client's local)
   engine_8_clients   row i the mixture of client i mod 8 (9 adapters in one batch)
@@ -170,13 +173,15 @@ def run_engine(engine: Engine, reqs: list[GenerationRequest]) -> tuple[float, li
     return time.perf_counter() - t0, steps
 
 
-def run_hf(loaded: LoadedModel, prompts: list[list[int]], tokens: int) -> float:
+def run_hf(loaded: LoadedModel, prompts: list[list[int]], tokens: int, static: bool = False) -> float:
+    """Wall seconds of one HF ``generate`` over ``prompts`` (``static``: a static cache, compiled on CUDA)."""
     ids = torch.tensor(prompts, device=DEVICE)
+    extra = {"cache_implementation": "static"} if static else {}
     sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
         loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,  # type: ignore[operator]
-                              min_new_tokens=tokens, do_sample=False, pad_token_id=2)
+                              min_new_tokens=tokens, do_sample=False, pad_token_id=2, **extra)
     sync()
     return time.perf_counter() - t0
 
@@ -191,18 +196,20 @@ def bench_model(geometry: str, tokenizer: object, args: argparse.Namespace, bw: 
     vocab = int(loaded.model.config.vocab_size)  # type: ignore[union-attr]
     report: dict[str, object] = {"params_gb": round(weight_bytes(loaded.model) / 1e9, 3),
                                  "graphs": engine.executor.graphs is not None}
-    cases = ["hf_generate", "engine_base", "engine_one_mix", "engine_8_clients"]
+    cases = ["hf_generate", "hf_static", "engine_base", "engine_one_mix", "engine_8_clients"]
+    engine_cases = [c for c in cases if c.startswith("engine_")]
     for rows in args.requests:
         prompts = torch.randint(100, vocab, (rows, args.prompt), generator=gen).tolist()
-        for case in cases[1:]:  # warm-up: captures this bucket's graphs
+        for case in engine_cases:  # warm-up: captures this bucket's graphs
             run_engine(engine, requests(prompts, 4, case))
         run_hf(loaded, prompts, 2)
+        first_static = run_hf(loaded, prompts, args.tokens, static=True)  # compiles for this batch size
         walls: dict[str, list[float]] = {c: [] for c in cases}
-        steps: dict[str, list[float]] = {c: [] for c in cases[1:]}
+        steps: dict[str, list[float]] = {c: [] for c in engine_cases}
         for r in range(args.rounds):
             for case in cases[r % len(cases):] + cases[: r % len(cases)]:
-                if case == "hf_generate":
-                    walls[case].append(run_hf(loaded, prompts, args.tokens))
+                if case.startswith("hf_"):
+                    walls[case].append(run_hf(loaded, prompts, args.tokens, static=case == "hf_static"))
                 else:
                     wall, st = run_engine(engine, requests(prompts, args.tokens, case))
                     walls[case].append(wall)
@@ -219,6 +226,9 @@ def bench_model(geometry: str, tokenizer: object, args: argparse.Namespace, bw: 
             "bound_tokens_per_s": round(rows / (bound["engine_base"] / 1e3), 1),
             "fraction_of_bound": {c: round(bound[c] / step_ms[c], 3) for c in bound if c in step_ms},
             "engine_base_over_hf_generate": round(tps["engine_base"] / tps["hf_generate"], 3),
+            "engine_base_over_hf_static": round(tps["engine_base"] / tps["hf_static"], 3),
+            "hf_static_first_call_s": round(first_static, 3),
+            "hf_static_compiled": DEVICE.type == "cuda",  # transformers compiles a static-cache forward on CUDA
             "clients8_over_engine_base": round(tps["engine_8_clients"] / tps["engine_base"], 3),
             "clients8_step_over_base_step": round(step_ms["engine_base"] / step_ms["engine_8_clients"], 3)
             if "engine_8_clients" in step_ms and "engine_base" in step_ms else None,

@@ -245,6 +245,11 @@ async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float
                         "fedmosaic_time_to_first_token_seconds_sum": 1}.get(sample.name)
                 if slot is not None:
                     cell[slot] += sample.value
+        if family.name in ("fedmosaic_engine_step_cpu_seconds", "fedmosaic_engine_syncs"):  # host work per kind
+            for sample in family.samples:
+                if sample.name in ("fedmosaic_engine_step_cpu_seconds_sum", "fedmosaic_engine_syncs_total"):
+                    cell = totals.setdefault(f"{sample.labels['kind']}_host", [0.0, 0.0])
+                    cell[0 if sample.name.endswith("_total") else 1] = sample.value
         if family.name != "fedmosaic_engine_step_seconds":
             continue
         for sample in family.samples:
@@ -256,8 +261,9 @@ async def step_totals(client: httpx.AsyncClient) -> dict[str, tuple[float, float
 
 def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
                  wall: float) -> dict[str, object]:
-    """Engine steps of the load phase per kind (how many, their mean, the share of the wall time) and the
-    prompt tokens computed and reused meanwhile, and the mean time to first token the server measured."""
+    """Engine steps of the load phase per kind (how many, their mean, the share of the wall time, the engine
+    thread's mean CPU time and host-device synchronisations per step) and the prompt tokens computed and
+    reused meanwhile, and the mean time to first token the server measured."""
     out: dict[str, object] = {}
     for kind, (count, seconds) in sorted(after.items()):
         n, sec = count - before.get(kind, (0.0, 0.0))[0], seconds - before.get(kind, (0.0, 0.0))[1]
@@ -265,6 +271,11 @@ def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[
             out[kind] = int(n)
         elif kind == "server_ttft":
             out["server_ttft_ms_mean"] = round(1e3 * sec / n, 1) if n else None
+        elif kind.endswith("_host"):  # sorted after its kind: the engine thread's CPU time and syncs per step
+            base = out.get(kind.removesuffix("_host"))
+            if isinstance(base, dict) and base["steps"]:
+                base["cpu_ms_mean"] = round(1e3 * sec / base["steps"], 1)
+                base["syncs_per_step"] = round(n / base["steps"], 2)  # 0 unless the server counts them
         elif n:
             out[kind] = {"steps": int(n), "mean_ms": round(1e3 * sec / n, 1),
                          "share_of_wall": round(sec / wall, 3) if wall > 0 else None}

@@ -87,6 +87,12 @@ def server(run: Path, args: argparse.Namespace, log: Path) -> Iterator[str]:
            "--max-batch-size", str(args.max_batch_size), "--max-model-len", str(args.max_model_len), "--runtime-lora"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.count_syncs:
+        cmd += ["--count-syncs"]
+    if args.profile:
+        cmd += ["--profile", str(Path(args.profile).resolve())]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "FEDMOSAIC_SERVE_MAX_WAITING": str(max(256, 2 * args.clients))}
     if args.threads:
@@ -232,6 +238,11 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=64, help="the server's KV slots (fedmosaic serve's option)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the load's requests")
+    p.add_argument("--device", default=None, help="the server's --device (default: its own, auto)")
+    p.add_argument("--count-syncs", action="store_true",
+                   help="the server counts host-device synchronisations per step (reported per step kind)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="the server writes a torch profiler trace of 16 engine steps into DIR")
     p.add_argument("--max-tokens-range-ratio", type=float, default=0.0,
                    help="each load request's max_tokens drawn uniformly from max_tokens x [1 - r, 1 + r] "
                         "(vLLM's --random-range-ratio); 0: all equal, so clients admitted together finish together")

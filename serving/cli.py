@@ -31,8 +31,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
     p.add_argument("--max-loras", type=int, default=None, help="adapters loaded at once (LRU beyond; default 16)")
-    p.add_argument("--max-batch-size", type=int, default=None, help="default 8")
-    p.add_argument("--max-model-len", type=int, default=None, help="default 2048")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="KV slots (default: as many as the device's free memory holds; logged at start-up)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt plus completion tokens (default: the model's context, at most 8192)")
     p.add_argument("--max-tokens-limit", type=int, default=None, help="default 1024")
     p.add_argument("--adapter-root", default=None,
                    help="runtime-loaded adapters must lie inside it (default: the run directory)")
@@ -72,6 +74,10 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds before a request is cancelled and answered 504; 'none' for no deadline (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds running requests get to finish on shutdown (default 10)")
+    p.add_argument("--count-syncs", action="store_true", default=None,
+                   help="count host-device synchronisations per engine step in /metrics (slows the steps)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch profiler trace of 16 engine steps (after the first 8) into DIR")
     p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="exit with status 70 when the engine thread dies, for a supervisor to restart (default on)")
     return p
@@ -102,8 +108,8 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "max_decode_skips": "max_decode_skips", "prefix_cache_slots": "prefix_cache_slots",
             "max_lora_rank": "max_lora_rank",
             "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
-            "exit_on_engine_failure": "exit_on_engine_failure",
-            **{f"feddpa_{name}": f"feddpa_{name}" for name in OPTION_NAMES}}
+            "exit_on_engine_failure": "exit_on_engine_failure", "count_syncs": "count_syncs",
+            "profile": "profile_dir", **{f"feddpa_{name}": f"feddpa_{name}" for name in OPTION_NAMES}}
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -188,7 +194,7 @@ def run_batch(args: argparse.Namespace) -> int:
     executor: Any = stack
     if backend == "vllm":
         export = Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="fedmosaic-levels-"))
-        executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=settings.max_model_len)
+        executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=stack.engine.config.max_model_len)
     config = BatchConfig(max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens,
                          exact_prefill=settings.feddpa_prefill == "exact")
     summary = run_batch(executor, stack.loaded.tokenizer, args.input, args.output, config,

@@ -45,8 +45,11 @@ class ServeSettings(BaseSettings):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"],
                                       description="Linear layers to adapt")
     max_loras: int = Field(16, ge=1, description="adapters loaded at once (LRU beyond)")
-    max_batch_size: int = Field(8, ge=1)
-    max_model_len: int = Field(2048, ge=2)
+    max_batch_size: int | None = Field(None, ge=1, description="KV slots (requests decoded at once); null: as many "
+                                       "as the device's free memory holds (serving.engine.sizing: CUDA 0.8 x free, "
+                                       "at most 256; CPU 0.25 x available RAM, at most 64)")
+    max_model_len: int | None = Field(None, ge=2, description="prompt plus completion tokens per request; null: the "
+                                      "model's context, at most 8192 (shorter when fewer than 4 slots would fit)")
     max_waiting: int = Field(64, ge=1, description="queued requests before 429")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per engine step (chunked)")
     max_decode_skips: int = Field(2, ge=0, description="steps in a row that prefill prompts waiting for "
@@ -90,6 +93,10 @@ class ServeSettings(BaseSettings):
     feddpa_variant: Variant = _feddpa("variant")
     feddpa_embedding: Pooling = _feddpa("embedding")
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
+    count_syncs: bool = Field(False, description="count host-device synchronisations per engine step (/metrics "
+                              "fedmosaic_engine_syncs_total; a Python call per torch call: for profiling only)")
+    profile_dir: Path | None = Field(None, description="write a torch profiler trace of 16 engine steps (after 8) "
+                                     "into this folder (serving.engine.host_work.StepProfiler)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 

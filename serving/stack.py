@@ -15,6 +15,7 @@ thread when one runs) and yields each outcome as soon as it finishes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -90,12 +91,15 @@ def stack_config(settings: ServeSettings) -> StackConfig:
     return StackConfig(
         model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
         adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
-        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size, max_model_len=s.max_model_len,
+        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size or 8,
+                                                   max_model_len=s.max_model_len or 2048,  # placeholders when auto
+                                                   auto_slots=s.max_batch_size is None,
+                                                   auto_context=s.max_model_len is None,
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
                                                    max_decode_skips=s.max_decode_skips,
                                                    prefix_cache_slots=s.prefix_cache_slots,
                                                    max_lora_rank=s.max_lora_rank,
-                                                   request_timeout_s=s.request_timeout_s),
+                                                   request_timeout_s=s.request_timeout_s, count_syncs=s.count_syncs),
         feddpa=s.feddpa_options(), default_alpha=s.default_alpha, check_base=s.check_base)
 
 
@@ -208,6 +212,30 @@ class ServingStack:
         if lease is not None:
             handle.add_done_callback(lease.release)
         return Submitted(handle, plan)
+
+    def context(self) -> int | None:
+        """The base model's context (``max_position_embeddings``), or None when its config names none."""
+        value = getattr(self.loaded.model.config, "max_position_embeddings", None)  # type: ignore[union-attr]
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    def fit_length(self, length: int) -> None:
+        """Make the engine hold ``length`` positions per request (prompt plus completion), capped by the
+        model's context: an engine whose ``max_model_len`` is shorter is replaced by one sized for it
+        (same model, adapters and lock; a new KV cache), so a batch job allocates what it needs and
+        not a worst case (issue 46: 8 slots x 2^20 positions of a SmolLM2 shape are 292 GiB on CUDA).
+
+        Raises:
+            RuntimeError: the engine's thread runs or it holds requests (it cannot be swapped then).
+        """
+        cap = self.context()
+        length = max(2, min(length, cap) if cap is not None else length)
+        config = self.engine.config
+        if length <= config.max_model_len:
+            return
+        if self.engine.running or self.engine.has_work():
+            raise RuntimeError("the engine cannot be resized while it runs or holds requests")
+        self.engine = Engine(self.loaded, self.adapted, dataclasses.replace(config, max_model_len=length),
+                             model_lock=self.engine.model_lock)
 
     def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]:
         """Run ``jobs`` with continuous batching; yield each outcome as soon as it finishes.

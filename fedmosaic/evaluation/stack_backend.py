@@ -41,8 +41,11 @@ from training.algorithms import ALGORITHMS
 
 logger = logging.getLogger(__name__)
 
-# No length cap beyond the model's own: evaluation prompts are bounded by the data set.
-_NO_LIMIT = 1 << 20
+# The engine is built short and grown to what each generate() call needs (the longest prompt plus
+# max_new_tokens, capped by the model's context, rounded up so per-round evaluations rarely rebuild it):
+# on CUDA the KV cache is allocated at full length, so "no cap" (2^20 positions) could not fit (issue 46).
+_START_LEN = 512
+_LEN_STEP = 256
 
 
 class StackBackend:
@@ -107,6 +110,7 @@ class StackBackend:
         if self.num_beams > 1:
             yield from self._beams(items)
             return
+        self._fit(items)
         sampling = SamplingParams(max_tokens=self.max_new_tokens, temperature=0.0)
         for group in _by_target(items).values():
             jobs = (Job(target=it.target, sampling=sampling, prompt=it.prompt, exact_prefill=True, key=it)
@@ -120,6 +124,15 @@ class StackBackend:
                     raise RuntimeError(f"{item.key}/{item.task} example {item.i}: generation "
                                        f"{outcome.result.finish_reason}: {outcome.result.error}")
                 yield item, _prediction(outcome.result.text, outcome.weights(), outcome.result.route_info)
+
+    def _fit(self, items: Sequence[EvalItem]) -> None:
+        """Size the engine's KV cache for ``items``: the longest prompt plus ``max_new_tokens`` (the
+        engine tokenizes a prompt the same way), rounded up, capped by the model's context."""
+        if not items:
+            return
+        ids = self.tokenizer([it.prompt for it in items], add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+        need = max(len(x) for x in ids) + self.max_new_tokens
+        self.stack.fit_length(-(-need // _LEN_STEP) * _LEN_STEP)
 
     def _beams(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, num_beams=self.num_beams,
@@ -219,7 +232,7 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
     config = StackConfig(
         model=model or cfg.get("model", "smollm2"), dtype=dtype, device=device, run_dir=run.root,
         max_loras=len(run.clients()) + 4,
-        engine=EngineConfig(max_batch_size=batch_size, max_model_len=_NO_LIMIT, max_waiting=max(64, 4 * batch_size)),
+        engine=EngineConfig(max_batch_size=batch_size, max_model_len=_START_LEN, max_waiting=max(64, 4 * batch_size)),
         feddpa=FedDPAOptions(routing=routing, weighting=chosen if routing == "instance" else None,  # type: ignore[arg-type]
                              samples=samples, mode=mode, similarity=similarity, variant=variant,  # type: ignore[arg-type]
                              embedding=embedding),  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from serving.access import KeyRing
 from serving.api import errors, openapi
 from serving.api.dependencies import ServerState
 from serving.api.routes import adapters, chat, completions, health, models, run_files
+from serving.engine.host_work import StepProfiler
 from serving.feddpa_router import check_run_pooling
 from serving.settings import ServeSettings
 from serving.stack import build_stack, stack_config
@@ -42,6 +43,10 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count,
                        lambda: (engine.prefixes.hits, engine.prefixes.reused_tokens))
     engine.step_observers.append(state.metrics.observe_step)
+    if state.settings.profile_dir is not None:
+        engine.step_observers.append(StepProfiler(state.settings.profile_dir))
+    state.metrics.capacity(engine.config.max_batch_size, engine.config.max_model_len,
+                           engine.kv.bytes_for(engine.config.max_model_len))
     if state.settings.exit_on_engine_failure:
         engine.on_failure.append(_exit_soon)
     engine.start()

@@ -31,6 +31,12 @@ class EngineConfig:
         cuda_graphs: capture fused decode steps as CUDA graphs on CUDA.
         prefix_cache_slots: recent prompts whose KV is kept for later prompts sharing a prefix under
             the same adapter weights (:mod:`serving.engine.prefix_cache`; 0: off).
+        auto_slots: replace ``max_batch_size`` by the slots the device's free memory holds
+            (:mod:`serving.engine.sizing`; ``fedmosaic serve`` without ``--max-batch-size``).
+        auto_context: replace ``max_model_len`` by the model's context (capped; shortened when too few
+            slots would fit).
+        count_syncs: count host-device synchronisations per step (:mod:`serving.engine.host_work`; costs a
+            Python call per torch call, so for profiling only).
     """
 
     max_batch_size: int = 8
@@ -44,6 +50,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     cuda_graphs: bool = True
     prefix_cache_slots: int = 4
+    auto_slots: bool = False
+    auto_context: bool = False
+    count_syncs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_model_len", "max_waiting", "max_prefill_tokens", "max_lora_rank"):

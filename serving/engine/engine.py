@@ -52,6 +52,7 @@ from adapters import AdaptedModel
 from models import LoadedModel
 from serving.engine.config import EngineConfig
 from serving.engine.executor import Executor
+from serving.engine.host_work import StepClock
 from serving.engine.kv import SlotKV
 from serving.engine.lifecycle import Lifecycle
 from serving.engine.model_lock import ModelLock
@@ -59,6 +60,7 @@ from serving.engine.prefix_cache import PrefixCache
 from serving.engine.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.engine.scheduler import Outcome, Scheduler
 from serving.engine.sequence import Finished, Sequence, error_status, failed, result
+from serving.engine.sizing import sized_config
 from serving.errors import EngineNotReady, EngineOverloaded
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "StepReport"]
@@ -68,11 +70,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepReport:
-    """One engine step that ran a forward: its wall time, prompt tokens prefilled, rows decoded."""
+    """One engine step that ran a forward: its wall time, prompt tokens prefilled, rows decoded, the engine
+    thread's CPU time, and with ``count_syncs`` its host-device synchronisations and the seconds spent in
+    them (:mod:`serving.engine.host_work`; on CUDA, ``seconds - sync_seconds`` is the host's own work)."""
 
     seconds: float
     prefill_tokens: int
     decode_rows: int
+    cpu_seconds: float = 0.0
+    syncs: int = 0
+    sync_seconds: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -113,6 +120,10 @@ class Engine:
         self.device = param.device
         dtype = torch.bfloat16 if loaded.dtype == "autocast-bf16" else param.dtype
         mc = self.model.config  # type: ignore[union-attr]
+        config, self.slot_plan = sized_config(config, mc, dtype, self.device)  # auto slots / context
+        if self.slot_plan is not None:
+            logger.info("%s", self.slot_plan.describe())
+        self.config = config
         heads = int(mc.num_attention_heads)
         head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // heads)
         kv_heads = int(getattr(mc, "num_key_value_heads", None) or heads)
@@ -283,8 +294,7 @@ class Engine:
             # engine would otherwise win the lock back at once, step after step.
             self.model_lock.acquire_after_others()
             try:
-                started = time.perf_counter()
-                with torch.inference_mode():
+                with torch.inference_mode(), StepClock(self.config.count_syncs) as clock:
                     self._expire(finished)
                     self._admit()
                     running = [s for s in self._active if s.phase == "decode" and s.output]
@@ -300,11 +310,10 @@ class Engine:
                     rows = len(decoding)
                     for seq, outcome in outcomes:
                         self._record(seq, outcome, finished)
-                seconds = time.perf_counter() - started
             finally:
                 self.model_lock.release()
             if tokens or rows:
-                report = StepReport(seconds, tokens, rows)
+                report = StepReport(clock.seconds, tokens, rows, clock.cpu_seconds, clock.syncs, clock.sync_seconds)
                 for observe in list(self.step_observers):
                     try:
                         observe(report)

@@ -81,3 +81,22 @@ def test_a_run_records_its_device(tmp_path: Path) -> None:
     run_federated("fedit", data, tiny_llama(), tmp_path / "run", SimConfig(rounds=1, embed=False),
                   preset("tiny", max_steps=1))
     assert json.loads((tmp_path / "run" / "run.json").read_text())["device"] == "cpu"
+
+
+def test_make_test_gpu_puts_a_built_mamba_ssm_on_the_path(tmp_path: Path) -> None:
+    """pFedSeq's kernel test runs under ``make test-gpu`` once ../shared/gpu/mamba_ssm.sh built the package."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[2]
+
+    def command(target: Path) -> str:
+        done = subprocess.run(["make", "-n", "-s", "test-gpu", f"MAMBA_SSM={target}"], cwd=root, check=True,
+                              capture_output=True, text=True)
+        return done.stdout
+
+    (tmp_path / "built" / "mamba_ssm").mkdir(parents=True)
+    assert f'PYTHONPATH="{tmp_path / "built"}' in command(tmp_path / "built")
+    assert str(tmp_path / "missing") not in command(tmp_path / "missing")

@@ -1,7 +1,8 @@
 """On a CUDA GPU with mamba-ssm (``make test-gpu``): its selective-scan kernel equals pFedSeq's own scan.
 
 mamba-ssm has no wheel on PyPI; build it for the GPU with ``../shared/gpu/mamba_ssm.sh`` (README, GPU)
-and put it on ``PYTHONPATH``. Without it the kernel test is skipped with that reason. Measured on an
+into ``../shared/gpu/mamba-ssm``, which ``make test-gpu`` puts on ``PYTHONPATH`` (elsewhere: ``make test-gpu
+MAMBA_SSM=TARGET``). Without it the kernel test is skipped with that reason. Measured on an
 H100 (torch 2.11+cu130, mamba-ssm 2.3.2.post1): forward 1.8e-7, gradients 8.1e-7 relative. The whole
 learner on the kernel is compared in tests/training/test_pfedseq_learner.py (also marked ``cuda``).
 """
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.cuda
 def _kernel():
     fn, why = ssm._kernel()
     if fn is None:
-        pytest.skip(f"needs mamba-ssm built for this GPU (../shared/gpu/mamba_ssm.sh): {why}")
+        pytest.skip(f"needs mamba-ssm built for this GPU (../shared/gpu/mamba_ssm.sh build SDIST "
+                    f"../shared/gpu/mamba-ssm, or make test-gpu MAMBA_SSM=TARGET): {why}")
     return fn
 
 

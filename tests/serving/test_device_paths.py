@@ -4,10 +4,13 @@ The model sits on the pretend ``cuda:0`` of :class:`tests.devicecheck.ShadowDevi
 (beam search, the routed prefill of :func:`serving.beam.plan_weights`) must create nothing off the
 model's device and answer as on the CPU. The continuous-batching engine is being rewritten for GPUs
 (issue 22 part 3): its test is a strict xfail until it runs clean under the check, and then it must pass.
+``fedmosaic batch``'s runner and bench/amole_serving.py run under the check too (issue 46).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 
 from adapters import LoraConfig, inject, save_adapter
 from models import LoadedModel, tiny_llama
+from serving.batch import BatchConfig, run_batch
 from serving.beam import GenerationConfig, generate, generate_target
 from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
@@ -111,3 +115,38 @@ def test_the_engine_serves_cpu_trained_runs_on_the_models_device(source: str, ad
     assert [text for text, _ in pretend] == [text for text, _ in plain]
     for (_, got), (_, want) in zip(pretend, plain, strict=True):
         assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want)
+
+
+def test_a_batch_file_is_answered_on_the_models_device(runs: dict[str, Path], tmp_path: Path) -> None:
+    """``fedmosaic batch``'s runner (chat template, FedDPA routing, AMoLE-free run) on a pretend GPU."""
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": target, "messages": [{"role": "user", "content": p}], "max_tokens": 4,
+                       "temperature": temp, "seed": 5}}
+             for i, (target, p, temp) in enumerate([("sorting", PROMPTS[0], 0.0), ("capitals", PROMPTS[1], 0.8),
+                                                    ("global", PROMPTS[2], 0.0)])]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+
+    def run(shadow: ShadowDevice | None, name: str) -> list[dict]:
+        stack = build_stack(StackConfig(model="tiny", run_dir=runs["feddpa-t"]), loaded=_loaded(shadow))
+        summary = run_batch(stack, stack.loaded.tokenizer, source, tmp_path / name, BatchConfig(), progress=False)
+        assert summary.succeeded == len(lines)
+        rows = [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+        return [r["response"]["body"]["choices"][0]["message"]["content"] for r in rows]
+
+    plain = run(None, "plain.jsonl")
+    with ShadowDevice() as shadow:
+        assert run(shadow, "pretend.jsonl") == plain
+
+
+def test_the_amole_serving_benchmark_runs_on_the_models_device() -> None:
+    """bench/amole_serving.py made its prompt ids on the CPU and failed on CUDA at its first forward."""
+    spec = importlib.util.spec_from_file_location("amole_serving", Path(__file__).parents[2] / "bench" /
+                                                  "amole_serving.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with ShadowDevice() as shadow:
+        out = bench.measure(_loaded(shadow), batch=2, tokens=4, steps=1, repeats=1, experts=8)
+    assert out["device"] == "cuda:0" and set(out["results"]) == {"base", "lora_per_row", "amole_1_client",
+                                                                  "amole_8_clients", "amole_8_recorded"}
