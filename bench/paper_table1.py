@@ -84,9 +84,27 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def cell_path(out: Path, method: str, seed: int, rule: str) -> Path:
-    """Where one cell's result lives."""
-    return out / "cells" / f"{method}__seed{seed}__{rule}.json"
+def cell_path(out: Path, method: str, seed: int, rule: str, args: argparse.Namespace) -> Path:
+    """Where one cell's result lives: its name says the evaluation setting, so settings never share a cell."""
+    setting = f"{args.metric}-{'all' if args.limit is None else args.limit}-b{args.num_beams}-t{args.max_new_tokens}"
+    return out / "cells" / f"{method}__seed{seed}__{rule}__{setting}.json"
+
+
+def check_training_settings(out: Path, args: argparse.Namespace) -> None:
+    """Record what the runs under ``out`` are trained with; refuse another setting (the runs would be reused).
+
+    Raises:
+        SystemExit: ``out`` holds runs trained otherwise (the message names both settings).
+    """
+    keys = ("preset", "data", "data_option", "rounds", "model", "leave_out", "option")
+    mine = {k: getattr(args, k) for k in keys}
+    path = out / "table1_settings.json"
+    if path.is_file():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            raise SystemExit(f"paper_table1: {out} holds runs trained with {theirs}, not {mine}: use another --out")
+    else:
+        write_json(path, mine)
 
 
 def train_run(method: str, seed: int, args: argparse.Namespace, data_options: dict[str, Any],
@@ -139,6 +157,24 @@ def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train:
     if "ood" in summary:
         cell["ood"] = summary["ood"]
     return cell
+
+
+def matching_cells(out: Path, have: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Finished cells of ``out`` that this invocation did not ask for but that share its settings.
+
+    The table is built over several invocations (three seeds for some methods, one for others): each
+    ``table1.md`` lists every cell made with the same data, preset, metric and evaluation.
+    """
+    seen = {(c["method"], c["seed"], c["rule"]) for c in have}
+    want = {"preset": args.preset, "data": args.data, "metric": args.metric,
+            "eval": {"limit": args.limit, "num_beams": args.num_beams, "max_new_tokens": args.max_new_tokens}}
+    extra = []
+    for path in sorted((out / "cells").glob("*.json")):
+        cell = json.loads(path.read_text())
+        if (cell["method"], cell["seed"], cell["rule"]) not in seen and all(cell.get(k) == v for k, v in want.items()):
+            extra.append(cell)
+    order = {m: i for i, m in enumerate(LABELS)}
+    return sorted(extra, key=lambda c: (order.get(c["method"], len(order)), c["rule"], c["seed"]))
 
 
 def mean_std(values: list[float]) -> dict[str, float]:
@@ -261,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             base_options[key] = value.split(",") if "," in value else value
     per_method = method_options(args.option)
     out = Path(args.out)
+    check_training_settings(out, args)
     cells, done, failed = [], [], []
     for method in methods:
         data_options = dict(base_options)
@@ -269,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for seed in args.seeds:
             train: dict[str, Any] | None = None
             for rule in RULES.get(method, ("native",)):
-                path = cell_path(out, method, seed, rule)
+                path = cell_path(out, method, seed, rule, args)
                 if path.is_file():
                     cells.append(json.loads(path.read_text()))
                     done.append(path.name)
@@ -282,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     continue
                 write_json(path, cell)
                 cells.append(cell)
+    cells += matching_cells(out, cells, args)
     evaluation = (f"{'all' if args.limit is None else f'the first {args.limit}'} test examples per task, "
                   + ("greedy" if args.num_beams == 1 else f"{args.num_beams} beams")
                   + f", {args.max_new_tokens} new tokens")

@@ -63,7 +63,7 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     report = bench.main([*ARGS, "--out", str(out)])
     assert report["failed"] == [] and report["skipped"] == []
     names = sorted(p.name for p in (out / "cells").iterdir())
-    assert names == sorted(f"{m}__seed{s}__{r}.json" for m, rules in (("fedit", ["native"]),
+    assert names == sorted(f"{m}__seed{s}__{r}__rouge1-2-b1-t2.json" for m, rules in (("fedit", ["native"]),
                                                                        ("feddpa-t", ["paper", "calibrated"]))
                            for s in (0, 1) for r in rules)
     cells = {(c["method"], c["seed"], c["rule"]): c for c in report["cells"]}
@@ -86,7 +86,7 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "| FedDPA-T (calibrated, ours) | 0,1 |" in md and "the first 2 test examples per task" in md
 
     # resume: a finished cell is neither trained nor evaluated again; a removed one is redone alone
-    (out / "cells" / "feddpa-t__seed1__calibrated.json").unlink()
+    (out / "cells" / "feddpa-t__seed1__calibrated__rouge1-2-b1-t2.json").unlink()
     evaluated: list[str] = []
     real_eval = bench.evaluate_run
 
@@ -108,3 +108,12 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     evaluated.clear()
     bench.main([*ARGS, "--out", str(out)])
     assert evaluated == []
+    # an invocation for some methods still tabulates every finished cell of the same settings
+    alone = bench.main([*ARGS[:1], "fedit", *ARGS[2:], "--out", str(out)])
+    assert {(r["method"], r["rule"]) for r in alone["rows"]} == set(rows) and evaluated == []
+    # another evaluation setting is a new cell of the same trained run; another training setting is refused
+    other = bench.main([*ARGS[:1], "fedit", *ARGS[2:], "--max-new-tokens", "3", "--out", str(out)])
+    assert other["failed"] == [] and {r["method"] for r in other["rows"]} == {"fedit"}
+    assert evaluated == ["fedit/None", "fedit/None"]  # seeds 0 and 1, from the runs already trained
+    with pytest.raises(SystemExit, match="another --out"):
+        bench.main([*ARGS, "--rounds", "2", "--out", str(out)])
