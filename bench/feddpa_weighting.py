@@ -1,17 +1,20 @@
 """How well FedDPA's instance-wise weight tells a client's own task from the others (issue 19).
 
-Embeds, with SmolLM2 (and a run's global adapter with ``--run``, else the bare model), ``--train``
-training prompts per client (its index), ``--test`` test prompts per task and the public background
-prompts (:mod:`routing.background`), all in the ``alpaca_short`` template. Then, for every client and
-each rule, the local weight ``a`` of every test prompt through :class:`routing.FedDPARouter`:
-``paper`` (``lambda * mean cosine`` of S=5 random instances), ``calibrated`` (the Mahalanobis score mapped by
-the client's calibration, built here exactly as training builds it), ``centroid`` (the calibrated rule
-with the centred-cosine score of format-1 calibrations) and ``fixed`` (lambda). Reports per
-rule the mean and median ``a`` on the client's own task and on the other tasks, the AUC of own vs
-other (1 = always apart) and the routing time per request (the decision alone; the prefill it follows
-is timed too, for scale). Prints one JSON object.
+Embeds, with SmolLM2 (and a run's global adapter with ``--run``, else the bare model), each client's
+training prompts, split by a seeded permutation into its index (``--train``) and a validation part
+(``--val``), and the public background prompts (:mod:`routing.background`), all in the ``alpaca_short``
+template. No test example is read: the rules are compared on the validation prompts, a client's own
+against every other client's (issue 45: the calibrated rule's constants had been chosen on ``test[:40]``).
+Then, for every client and each rule, the local weight ``a`` of every validation prompt through
+:class:`routing.FedDPARouter`: ``paper`` (``lambda * mean cosine`` of S=5 random instances),
+``calibrated`` (the Mahalanobis score mapped by the client's calibration, built here exactly as
+training builds it, its constants chosen on the index's own folds), ``centroid`` (the calibrated rule
+with the centred-cosine score of format-1 calibrations) and ``fixed`` (lambda). Reports per rule the
+mean and median ``a`` on the client's own task and on the other tasks, the AUC of own vs other (1 =
+always apart) and the routing time per request (the decision alone; the prefill it follows is timed
+too, for scale). Prints one JSON object.
 
-Usage: python bench/feddpa_weighting.py --data feddpa1 [--run RUN_DIR] [--train 300] [--test 40]
+Usage: python bench/feddpa_weighting.py --data feddpa1 [--run RUN_DIR] [--train 240] [--val 60]
        [--embeddings cache.npz]   (reuses the embeddings of an earlier call with the same settings)
 """
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,10 +32,29 @@ from routing import EmbeddingIndex, FedDPARouter
 from routing.calibration import calibrate
 
 LAMBDA = 0.5
+SPLIT_SEED = 0
+
+
+def split_training(dataset: Any, n_train: int, n_val: int, seed: int = SPLIT_SEED) -> dict[str, tuple[list, list]]:
+    """Each client's training records as ``(index, validation)``: disjoint, by a seeded permutation.
+
+    Only ``dataset.clients[*].train`` is read; the test sets are never touched.
+    """
+    out: dict[str, tuple[list, list]] = {}
+    for c in dataset.clients:
+        records = list(c.train)
+        order = np.random.default_rng(seed).permutation(len(records))
+        val = [records[i] for i in order[:n_val]]
+        index = [records[i] for i in order[n_val:n_val + n_train]]
+        if len(index) < 2 or not val:
+            raise SystemExit(f"client {c.client_id} has {len(records)} training examples: too few for "
+                             f"--val {n_val} and an index of at least 2")
+        out[c.client_id] = (index, val)
+    return out
 
 
 def embed(args: argparse.Namespace) -> dict[str, np.ndarray]:
-    """Embed train / test / background prompts; returns arrays keyed ``train/<client>``, ``test/<task>``, ``bg``."""
+    """Embed index / validation / background prompts; arrays keyed ``train/<client>``, ``val/<client>``, ``bg``."""
     from adapters import inject, load_adapter
     from models import load_base_model
     from routing.embedding import embed_prompts
@@ -51,11 +74,12 @@ def embed(args: argparse.Namespace) -> dict[str, np.ndarray]:
         return embed_prompts(lm.model, adapted, lm.tokenizer, prompts, names, autocast=lm.autocast)
 
     out: dict[str, np.ndarray] = {}
+    splits = split_training(ds, args.train, args.val)
     for c in ds.clients:
-        out[f"train/{c.client_id}"] = run(prompt_texts(list(c.train)[: args.train], lm.tokenizer, cfg))
+        index, val = splits[c.client_id]
+        out[f"train/{c.client_id}"] = run(prompt_texts(index, lm.tokenizer, cfg))
+        out[f"val/{c.client_id}"] = run(prompt_texts(val, lm.tokenizer, cfg))
         out[f"task/{c.client_id}"] = np.array([c.task])
-    for task, records in ds.tests.items():
-        out[f"test/{task}"] = run(prompt_texts(list(records)[: args.test], lm.tokenizer, cfg))
     out["bg"] = run(background_prompts(lm.tokenizer, "alpaca_short"))
     prompt = prompt_texts(list(ds.clients[0].train)[:1], lm.tokenizer, cfg)
     began = time.perf_counter()
@@ -73,7 +97,9 @@ def auc(pos: np.ndarray, neg: np.ndarray) -> float:
 def measure(data: dict[str, np.ndarray]) -> dict[str, object]:
     """Per-rule weight statistics (own vs other tasks) and routing time per request."""
     clients = sorted(k.split("/", 1)[1] for k in data if k.startswith("train/"))
-    tests = {k.split("/", 1)[1]: data[k] for k in data if k.startswith("test/")}
+    if any(k.startswith("test/") for k in data):
+        raise SystemExit("these embeddings hold test prompts (an --embeddings cache from before issue 45): re-embed")
+    tests = {str(data[f"task/{c}"][0]): data[f"val/{c}"] for c in clients}  # validation prompts by task
     calibrated = FedDPARouter(lambda_=LAMBDA, weighting="calibrated")
     rules = {"paper": (FedDPARouter(lambda_=LAMBDA, S=5, seed=0), "mahalanobis"),
              "calibrated": (calibrated, "mahalanobis"), "centroid": (calibrated, "centroid")}
@@ -120,9 +146,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="feddpa1")
     parser.add_argument("--run", default=None, help="a run directory whose global adapter is on while embedding")
-    parser.add_argument("--train", type=int, default=300,
-                        help="training prompts per client (the index; training indexes all of them)")
-    parser.add_argument("--test", type=int, default=40, help="test prompts per task")
+    parser.add_argument("--train", type=int, default=240,
+                        help="training prompts per client in its index (training indexes all of them)")
+    parser.add_argument("--val", type=int, default=60,
+                        help="training prompts per client held out of its index and scored (never test prompts)")
     parser.add_argument("--embeddings", default=None, help="npz cache of the embeddings (read if present)")
     args = parser.parse_args()
     cache = Path(args.embeddings) if args.embeddings else None

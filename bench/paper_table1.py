@@ -1,52 +1,66 @@
-"""Paper 000 Table 1 at a small budget: train each method on FedDPA dataset 1, evaluate, tabulate.
+"""Paper 000 Table 1 for reproduction: train, evaluate every test example, tabulate mean ± std over seeds.
 
-For every method in ``--methods`` this trains one run directory ``<out>/<method>`` with the in-process
-simulator (a run already finished, i.e. with ``summary.json``, is reused; an interrupted one resumes
-from its last complete round), evaluates it with the batch evaluator (``fedmosaic eval``: every client
-on every task's test set, the global model and the bare base; predictions are cached, so an
-interrupted evaluation resumes too), and puts the runs side by side in the layout of paper 000
-Table 1 (Personalization block: each client on its own task; Test-Time Personalization block: each
-client averaged over all tasks).
+A *cell* is one method x seed x weighting rule. For each, this trains the run directory
+``<out>/<method>/seed<k>`` with the in-process simulator under ``--preset`` (a finished run, with
+``summary.json``, is reused; an interrupted one resumes from its last complete round), evaluates it with
+the batch evaluator (``fedmosaic eval``: every client on every task's test set, the global and the bare
+base model; all test examples unless ``--limit``; predictions cached per decoding setting) and writes
+``<out>/cells/<method>__seed<k>__<rule>.json`` atomically. A cell whose file exists is skipped, so the
+table can be built over several sessions: run the same command again.
 
-Each method trains with its own paper regime (:mod:`training.regime`) under ``--preset`` (``--rounds``
-overrides the budget's rounds). With ``--seeds N`` every method is trained and evaluated N times (seeds
-``--seed`` .. ``--seed + N - 1``, run directories ``<out>/<method>/seed<k>``) and every cell of both
-blocks is reported as mean and standard deviation over the seeds (sample std, ``ddof=1``; 0 for one seed).
+FedDPA-F and FedDPA-T get two cells per seed from one training run: the paper's instance-wise rule
+(``paper``, paper 000 section 4.3: the paper's columns) and ``calibrated`` (our extension,
+``routing/calibration.py``, its constants chosen per client on a validation split of its training
+prompts); every other method is evaluated as it serves (``native``). FedOA runs with ``--leave-out``
+(paper 001's leave-one-task-out protocol) when given.
 
-Prints one JSON object: the settings, per-method train/eval seconds, mean client loss per round, the
-block averages per method, the per-cell mean/std, and the Markdown tables. Usage::
+Outputs: ``<out>/table1.md`` (ready to paste into the README: the summary with Personalization and
+TTP, paper 000 section 5.2, as mean ± sample std over the seeds, per-task blocks, per-cell training and
+evaluation seconds) and ``<out>/table1.json``; the JSON report is printed too. Usage::
 
-    python bench/paper_table1.py [--methods fedit,fedlora,feddpa-f,feddpa-t,fedoa,fedmcp]
-        [--data feddpa1] [--rounds N] [--preset small] [--seeds 3] [--limit 5] [--max-new-tokens 32]
-        [--metric rouge1] [--out runs/table1] [--model smollm2] [--option METHOD:KEY=VALUE ...]
+    python bench/paper_table1.py [--methods fedit,fedlora,feddpa-f,feddpa-t,local] [--seeds 0 1 2]
+        [--preset repro] [--data feddpa1|generated] [--num-beams 4] [--max-new-tokens 80] [--limit N]
+        [--leave-out TASKS] [--rounds N] [--option METHOD:KEY=VALUE] [--out runs/table1] [--model smollm2]
 
-``--option`` passes a method option to one method, e.g. ``--option pfedseq:warmup=1`` (pFedSeq's
-paper warm-up is 10 rounds, longer than a small budget) or ``--option fedamole:top_k=2``.
-
-The ``small`` preset (at most 6 local steps of at most 8 examples per round, cutoff 192, a tenth of the
-paper's rounds) keeps one method well under an hour on a 2-core CPU; ``medium`` is a quarter of the
-paper's rounds and 24 steps; ``paper`` is the paper's budget for a real machine.
+``--preset`` defaults to ``repro`` when training has it, else ``small`` (said in the report); any preset
+training accepts is allowed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from fedmosaic.evaluation.evaluate import EvalOptions, compare_runs, evaluate_run
+from fedmosaic.evaluation.evaluate import EvalOptions, evaluate_run
 from models import load_base_model
+from training.algorithms import ALGORITHMS
 from training.cli import method_settings
 from training.data import load_dataset
+from training.regime import BUDGETS
 from training.simulation import SimConfig, run_federated
 
-DEFAULT_METHODS = "fedit,fedlora,feddpa-f,feddpa-t,fedoa,fedmcp"
+LABELS = {"fedit": "FedIT", "fedlora": "FedLoRA", "feddpa-f": "FedDPA-F", "feddpa-t": "FedDPA-T", "local": "Local",
+          "fedoa": "FedOA", "fedmcp": "FedMCP", "fedamole": "FedAMoLE", "pfedseq": "pFedSeq",
+          "centralized": "Centralized"}
+DEFAULT_METHODS = "fedit,fedlora,feddpa-f,feddpa-t,local"
+RULES = {"feddpa-f": ("paper", "calibrated"), "feddpa-t": ("paper", "calibrated")}  # others: ("native",)
+BLOCKS = {"personalization": "Personalization", "ttp": "TTP"}
 
 
-def _method_options(items: list[str]) -> dict[str, dict[str, Any]]:
+def default_preset() -> tuple[str, str | None]:
+    """``repro`` when training defines it, else ``small`` with a note saying so."""
+    if "repro" in BUDGETS:
+        return "repro", None
+    return "small", "training has no 'repro' preset yet: fell back to 'small'"
+
+
+def method_options(items: list[str]) -> dict[str, dict[str, Any]]:
     """``["pfedseq:warmup=1", ...]`` -> ``{"pfedseq": {"warmup": 1}}`` (values parsed as JSON when they are)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
@@ -62,112 +76,265 @@ def _method_options(items: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _train(method: str, run_dir: Path, args: argparse.Namespace, loaded: Any, dataset: Any,
-           options: dict[str, Any], seed: int) -> dict[str, Any]:
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        return {**json.loads(summary.read_text()), "reused": True}
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically: a reader (or a resumed run) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def cell_path(out: Path, method: str, seed: int, rule: str, args: argparse.Namespace) -> Path:
+    """Where one cell's result lives: its name says the evaluation setting, so settings never share a cell."""
+    setting = f"{args.metric}-{'all' if args.limit is None else args.limit}-b{args.num_beams}-t{args.max_new_tokens}"
+    return out / "cells" / f"{method}__seed{seed}__{rule}__{setting}.json"
+
+
+def check_training_settings(out: Path, args: argparse.Namespace) -> None:
+    """Record what the runs under ``out`` are trained with; refuse another setting (the runs would be reused).
+
+    Raises:
+        SystemExit: ``out`` holds runs trained otherwise (the message names both settings).
+    """
+    keys = ("preset", "data", "data_option", "rounds", "model", "leave_out", "option")
+    mine = {k: getattr(args, k) for k in keys}
+    path = out / "table1_settings.json"
+    if path.is_file():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            raise SystemExit(f"paper_table1: {out} holds runs trained with {theirs}, not {mine}: use another --out")
+    else:
+        write_json(path, mine)
+
+
+def train_run(method: str, seed: int, args: argparse.Namespace, data_options: dict[str, Any],
+              options: dict[str, Any]) -> dict[str, Any]:
+    """Train (or reuse, or resume) ``<out>/<method>/seed<k>``; returns its training record."""
+    run_dir = Path(args.out) / method / f"seed{seed}"
+    record = run_dir / "table1_train.json"
+    if record.is_file():
+        return {**json.loads(record.read_text()), "reused": True}
+    if (run_dir / "summary.json").is_file():  # a run finished before this script recorded it: its own figures
+        done = json.loads((run_dir / "summary.json").read_text())
+        info = {"train_seconds": done.get("seconds"), "rounds": done.get("rounds"),
+                "losses": [round(x, 4) for x in done.get("losses", [])], "failures": len(done.get("failures", []))}
+        write_json(record, info)
+        return {**info, "reused": True}
     eff = method_settings(method, args.preset, args.rounds, options)
+    dataset = load_dataset(args.data, **data_options)
+    loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)  # a fresh base per run
     began = time.perf_counter()
     result = run_federated(method, dataset, loaded, run_dir, SimConfig(rounds=eff.rounds, seed=seed), eff.train,
                            eff.options, resume=(run_dir / "run.json").is_file(), data_spec=args.data,
-                           model_name=args.model, preset_name=args.preset)
-    return {"seconds": round(time.perf_counter() - began, 1), "losses": [round(x, 4) for x in result.losses],
-            "rounds": eff.rounds, "bytes_up": result.bytes_up, "bytes_down": result.bytes_down,
-            "failures": len(result.failures)}
+                           data_options=data_options, model_name=args.model, preset_name=args.preset)
+    info = {"train_seconds": round(time.perf_counter() - began, 1), "rounds": eff.rounds,
+            "losses": [round(x, 4) for x in result.losses], "failures": len(result.failures)}
+    write_json(record, info)
+    return {**info, "reused": False}
 
 
-def cell_stats(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean and sample std over seeds of every cell of both blocks (``tables`` of each seed's results).
+def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate one cell (the run is trained) and return its JSON record."""
+    run_dir = Path(args.out) / method / f"seed{seed}"
+    opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
+                       batch_size=args.batch_size, metric=args.metric, dtype=args.dtype, device=args.device,
+                       feddpa_weighting=None if rule == "native" else rule)
+    began = time.perf_counter()
+    summary = evaluate_run(run_dir, opts)
+    cell: dict[str, Any] = {"method": method, "label": LABELS.get(method, method), "seed": seed, "rule": rule,
+                            "preset": args.preset, "data": args.data, "metric": args.metric,
+                            "eval": {"limit": args.limit, "num_beams": args.num_beams,
+                                     "max_new_tokens": args.max_new_tokens},
+                            "train_seconds": train.get("train_seconds"), "losses": train.get("losses"),
+                            "eval_seconds": round(time.perf_counter() - began, 1),
+                            "n_per_task": summary["test_set"]["tasks"]}
+    for block, rows in summary["tables"].items():
+        own = rows[0]  # the method's personalised models; the [global] and [base] rows follow
+        cell[block] = {"values": own["values"], "avg": own["avg"]}
+        glob = next((r for r in rows if r["label"].endswith("[global]")), None)
+        if glob is not None:
+            cell.setdefault("global", {})[block] = glob["avg"]
+    if "ood" in summary:
+        cell["ood"] = summary["ood"]
+    return cell
 
-    Returns ``{block: {row label: {column: {"mean", "std"}, "avg": {"mean", "std"}}}}``; std is 0 for one seed.
+
+def matching_cells(out: Path, have: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Finished cells of ``out`` that this invocation did not ask for but that share its settings.
+
+    The table is built over several invocations (three seeds for some methods, one for others): each
+    ``table1.md`` lists every cell made with the same data, preset, metric and evaluation.
     """
-
-    def ms(values: list[float]) -> dict[str, float]:
-        return {"mean": round(statistics.fmean(values), 4),
-                "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0}
-
-    out: dict[str, Any] = {}
-    first = per_seed[0]["tables"]
-    for block, rows in first.items():
-        for i, row in enumerate(rows):
-            seeds = [r["tables"][block][i] for r in per_seed]
-            cells = {col: ms([float(s["values"][col]) for s in seeds]) for col in row["values"]}
-            cells["avg"] = ms([float(s["avg"]) for s in seeds])
-            out.setdefault(block, {})[row["label"]] = cells
-    return out
+    seen = {(c["method"], c["seed"], c["rule"]) for c in have}
+    want = {"preset": args.preset, "data": args.data, "metric": args.metric,
+            "eval": {"limit": args.limit, "num_beams": args.num_beams, "max_new_tokens": args.max_new_tokens}}
+    extra = []
+    for path in sorted((out / "cells").glob("*.json")):
+        cell = json.loads(path.read_text())
+        if (cell["method"], cell["seed"], cell["rule"]) not in seen and all(cell.get(k) == v for k, v in want.items()):
+            extra.append(cell)
+    order = {m: i for i, m in enumerate(LABELS)}
+    return sorted(extra, key=lambda c: (order.get(c["method"], len(order)), c["rule"], c["seed"]))
 
 
-def stats_markdown(stats: dict[str, dict[str, Any]], metric: str) -> str:
-    """Both blocks of every method as ``mean ± std`` cells (the per-seed layout of paper 000 Table 1)."""
-    title = {"personalization": "Personalization", "ttp": "Test-Time Personalization"}
-    lines: list[str] = []
-    for blocks in stats.values():
-        for block, rows in blocks.items():
-            for label, cells in rows.items():
-                cols = [c for c in cells if c != "avg"]
-                if not lines:
-                    lines += ["| Block | Method | " + " | ".join(cols) + " | Avg |",
-                              "|---|---|" + "---:|" * (len(cols) + 1)]
-                values = " | ".join(f"{cells[c]['mean']:.2f} ± {cells[c]['std']:.2f}" for c in [*cols, "avg"])
-                lines.append(f"| {title.get(block, block)} | {label} | {values} |")
-    return f"{metric} x100, mean ± std over seeds\n\n" + "\n".join(lines) + "\n"
+def mean_std(values: list[float]) -> dict[str, float]:
+    """Mean and sample standard deviation (``ddof=1``; 0 for one value)."""
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "n": len(values)}
 
 
-def _block_means(results: dict[str, Any]) -> dict[str, Any]:
-    """Each Table-1 block's row averages of one evaluated run (label -> avg)."""
-    return {block: {row["label"]: row["avg"] for row in rows} for block, rows in results["tables"].items()}
+def aggregate(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (method, rule), in the cells' order: mean ± std over seeds of every block's cells and average."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for cell in cells:
+        groups.setdefault((cell["method"], cell["rule"]), []).append(cell)
+    rows = []
+    for (method, rule), group in groups.items():
+        row: dict[str, Any] = {"method": method, "label": group[0]["label"], "rule": rule,
+                               "seeds": [c["seed"] for c in group]}
+        for block in BLOCKS:
+            present = [c[block] for c in group if block in c]
+            if not present:
+                continue
+            columns = list(present[0]["values"])
+            row[block] = {"avg": mean_std([float(p["avg"]) for p in present]),
+                          "values": {col: mean_std([float(p["values"][col]) for p in present
+                                                    if p["values"].get(col) is not None])
+                                     for col in columns if any(p["values"].get(col) is not None for p in present)}}
+        row["train_seconds"] = mean_std([float(c["train_seconds"]) for c in group if c.get("train_seconds") is not None]
+                                        or [float("nan")])
+        row["eval_seconds"] = mean_std([float(c["eval_seconds"]) for c in group])
+        rows.append(row)
+    return rows
 
 
-def main() -> None:
-    """Train, evaluate and tabulate every requested method; print the JSON report."""
+def _pm(stat: dict[str, float] | None) -> str:
+    return "–" if stat is None else f"{stat['mean']:.2f} ± {stat['std']:.2f}"
+
+
+def _name(row: dict[str, Any]) -> str:
+    return row["label"] + {"paper": " (paper rule)", "calibrated": " (calibrated, ours)"}.get(row["rule"], "")
+
+
+def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: dict[str, Any]) -> str:
+    """The README-ready Markdown: the summary, per-task blocks and per-cell times."""
+    lines = [f"Data {settings['data']}, preset {settings['preset']}, {settings['metric']} x100, "
+             f"{settings['evaluation']}; mean ± sample std over the seeds listed.", "",
+             "| Method | Seeds | Personalization | TTP | Train s / run | Eval s / cell |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        pers, ttp = (r.get("personalization") or {}).get("avg"), (r.get("ttp") or {}).get("avg")
+        lines.append(f"| {_name(r)} | {','.join(map(str, r['seeds']))} | {_pm(pers)} | {_pm(ttp)} | "
+                     f"{r['train_seconds']['mean']:.0f} | {r['eval_seconds']['mean']:.0f} |")
+    for block in BLOCKS:
+        columns = list(dict.fromkeys(c for r in rows for c in (r.get(block) or {}).get("values", {})))
+        if not columns:
+            continue
+        caption = {"personalization": "Personalization per client (its model on its own task; columns name "
+                                      "the client's task):",
+                   "ttp": "TTP per client (its model's mean over every task; columns name the client's task):"}[block]
+        lines += ["", caption, "", "| Method | " + " | ".join(columns) + " | Avg |",
+                  "|---|" + "---:|" * (len(columns) + 1)]
+        for r in rows:
+            if block in r:
+                vals = [_pm(r[block]["values"].get(c)) for c in columns]
+                lines.append(f"| {_name(r)} | " + " | ".join(vals) + f" | {_pm(r[block]['avg'])} |")
+    lines += ["", "Per cell (training seconds are per run, shared by a run's two weighting rules):", "",
+              "| Method | Rule | Seed | Train s | Eval s | Personalization | TTP |",
+              "|---|---|---|---:|---:|---:|---:|"]
+    for c in cells:
+        pers, ttp = (c.get("personalization") or {}).get("avg"), (c.get("ttp") or {}).get("avg")
+        lines.append(f"| {c['label']} | {c['rule']} | {c['seed']} | {c.get('train_seconds')} | {c['eval_seconds']} | "
+                     f"{'–' if pers is None else f'{pers:.2f}'} | {'–' if ttp is None else f'{ttp:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default=DEFAULT_METHODS)
-    p.add_argument("--data", default="feddpa1")
-    p.add_argument("--rounds", type=int, default=None, help="default: each method's paper rounds under --preset")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--seed", type=int, default=0, help="the first seed")
-    p.add_argument("--seeds", type=int, default=1, help="train and evaluate every method with this many seeds")
-    p.add_argument("--limit", type=int, default=5, help="test examples per task in the evaluation")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: " + ",".join(LABELS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--preset", default=None, help="a training preset (default: repro, else small)")
+    p.add_argument("--data", default="feddpa1", help="feddpa1 | generated (any spec training accepts)")
+    p.add_argument("--data-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a loader option, e.g. n_train=4 for the generated suite")
+    p.add_argument("--leave-out", default=None, metavar="TASKS", help="FedOA's held-out tasks (paper 001 protocol)")
+    p.add_argument("--rounds", type=int, default=None, help="default: each method's rounds under --preset")
+    p.add_argument("--limit", type=int, default=None, help="test examples per task (default: all)")
+    p.add_argument("--num-beams", type=int, default=1, help="the FedDPA reference: 4")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="the FedDPA reference: 80")
+    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--metric", default="rouge1")
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
     p.add_argument("--out", default="runs/table1")
     p.add_argument("--option", action="append", default=[], metavar="METHOD:KEY=VALUE")
-    args = p.parse_args()
-    per_method = _method_options(args.option)
+    return p.parse_args(argv)
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every missing cell, then tabulate all requested cells; returns (and prints) the JSON report."""
+    args = parse_args(argv)
+    note = None
+    if args.preset is None:
+        args.preset, note = default_preset()
+    methods = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in ALGORITHMS]
+    if unknown:
+        raise SystemExit(f"paper_table1: unknown methods {unknown}; known: {sorted(ALGORITHMS)}")
+    try:
+        method_settings(methods[0], args.preset, args.rounds)
+    except ValueError as exc:  # an unknown preset names the known ones
+        raise SystemExit(f"paper_table1: {exc}") from exc
+    base_options: dict[str, Any] = {}
+    for item in args.data_option:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--data-option expects KEY=VALUE, got {item!r}")
+        try:
+            base_options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            base_options[key] = value.split(",") if "," in value else value
+    per_method = method_options(args.option)
     out = Path(args.out)
-    dataset = load_dataset(args.data)
-    report: dict[str, Any] = {"settings": vars(args), "methods": {}}
-    loaded = None
-    seeds = [args.seed + k for k in range(max(1, args.seeds))]
-    stats: dict[str, Any] = {}
+    check_training_settings(out, args)
+    cells, done, failed = [], [], []
     for method in methods:
-        per_seed, entry = [], {"train": [], "eval_seconds": [], "blocks": []}
-        for seed in seeds:
-            run_dir = out / method if len(seeds) == 1 else out / method / f"seed{seed}"
-            if not (run_dir / "summary.json").is_file():
-                loaded = loaded or load_base_model(args.model)
-            # each run injects its own adapters: a fresh base model per training run keeps runs independent
-            train = _train(method, run_dir, args, loaded, dataset, per_method.get(method, {}), seed)
-            loaded = None
-            began = time.perf_counter()
-            results = evaluate_run(run_dir, EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens,
-                                                        metric=args.metric))
-            entry["train"].append(train)
-            entry["eval_seconds"].append(round(time.perf_counter() - began, 1))
-            entry["blocks"].append(_block_means(results))
-            per_seed.append(results)
-        stats[method] = cell_stats(per_seed)
-        report["methods"][method] = entry
-    first = [out / m if len(seeds) == 1 else out / m / f"seed{seeds[0]}" for m in methods]
-    report["table"] = compare_runs(first, out / "table1.md", args.metric)
-    report["cells"] = stats
-    report["table_mean_std"] = stats_markdown(stats, args.metric)
-    (out / "table1_mean_std.md").write_text(report["table_mean_std"])
-    print(json.dumps(report, indent=2))
+        data_options = dict(base_options)
+        if method == "fedoa" and args.leave_out:
+            data_options["leave_out"] = [t for t in args.leave_out.split(",") if t]
+        for seed in args.seeds:
+            train: dict[str, Any] | None = None
+            for rule in RULES.get(method, ("native",)):
+                path = cell_path(out, method, seed, rule, args)
+                if path.is_file():
+                    cells.append(json.loads(path.read_text()))
+                    done.append(path.name)
+                    continue
+                try:
+                    train = train or train_run(method, seed, args, data_options, per_method.get(method, {}))
+                    cell = run_cell(method, seed, rule, args, train)
+                except Exception as exc:  # one broken cell must not lose the others: reported, exit code 1
+                    failed.append({"cell": path.name, "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                write_json(path, cell)
+                cells.append(cell)
+    cells += matching_cells(out, cells, args)
+    evaluation = (f"{'all' if args.limit is None else f'the first {args.limit}'} test examples per task, "
+                  + ("greedy" if args.num_beams == 1 else f"{args.num_beams} beams")
+                  + f", {args.max_new_tokens} new tokens")
+    settings = {**vars(args), "evaluation": evaluation, "preset_note": note}
+    rows = aggregate(cells)
+    md = markdown(rows, cells, settings)
+    report = {"settings": settings, "skipped": done, "failed": failed, "rows": rows, "cells": cells, "markdown": md}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table1.md").write_text(md)
+    write_json(out / "table1.json", report)
+    print(json.dumps(report, indent=1))
+    if failed:
+        print(f"paper_table1: {len(failed)} cells failed: {failed}", file=sys.stderr)
+    return report
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failed"] else 0)

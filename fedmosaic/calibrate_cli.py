@@ -51,7 +51,8 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--k", type=int, default=5, help="neighbours averaged by --statistic knn")
     p.add_argument("--background-quantile", type=float, default=None,
                    help="quantile of the background prompts' scores at or below which a = 0 (1: the highest; "
-                        "default 0.98 for mahalanobis, 1 for centroid and knn)")
+                        "default: mahalanobis chooses it with its own quantile per client on a validation split of "
+                        "its training prompts, routing/selection.py; 1 for centroid and knn)")
     p.add_argument("--feddpa-embedding", choices=POOLINGS, default=None,
                    help="pool the index's states as the last token or the mean over the prompt's tokens (paper 000 "
                         "Table 10); an index pooled otherwise is rebuilt from the run's data (default: keep each "
@@ -79,8 +80,8 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
         model: base model (default: ``run.json``'s).
         statistic: ``mahalanobis``, ``centroid`` or ``knn`` (``routing.calibration``).
         k: neighbours of ``knn``.
-        background_quantile: the background scores' quantile that maps to ``a = 0`` (None: the statistic's
-            default, ``routing.calibration.calibrate``).
+        background_quantile: the background scores' quantile that maps to ``a = 0`` (None: chosen per client
+            on a validation split of its own instances for ``mahalanobis``, :mod:`routing.selection`).
         dtype: compute dtype.
         device: where the model runs.
         embedding: ``last`` or ``mean``: rebuild every index pooled otherwise (None: keep each client's).

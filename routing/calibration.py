@@ -20,10 +20,12 @@ global adapter on) and fixes the estimator:
    client's instances' held-out scores (5-fold for the Gaussian, whose fit would otherwise have seen
    them; leave-one-out for the cosines) and ``b``, a high quantile of the background prompts' scores. The
    Gaussian's map is a conformal p-value (Bates et al., Annals of Statistics 2023): ``p`` is the share
-   of held-out own scores at most ``s``, and ``a = lambda * min(1, p / q)`` with ``q = 0.25``, so a
-   prompt at least as typical as the client's lower quartile gets ``lambda`` and one less typical than
-   every own instance gets 0; any prompt no closer than about the third closest of the 150 generic prompts
-   (``s <= b``, their 0.98 quantile, robust to a generic prompt of the client's own task) gets 0.
+   of held-out own scores at most ``s``, and ``a = lambda * min(1, p / q)``, so a prompt at least as
+   typical as the client's ``q`` quantile gets ``lambda`` and one less typical than every own instance
+   gets 0; any prompt no closer than the ``guard`` quantile of the generic prompts' scores (``s <= b``)
+   gets 0. Each client chooses ``q`` and ``guard`` on a validation split of its own training prompts
+   against the background (:mod:`routing.selection`; the first values, 0.25 and 0.98, had been read off
+   test prompts and remain only for clients too small to split).
    The cosines' map is a ramp between ``o``, the held-out scores' lower quartile, and ``b`` (there the
    highest background score):
    ``a = lambda * clip((s - b) / (o - b), 0, 1)`` (README, "Instance-wise weighting").
@@ -51,12 +53,13 @@ import numpy as np
 
 from routing.base import RoutingError
 from routing.gaussian import Gaussian, held_out_sq_distances, ledoit_wolf_shrinkage
+from routing.selection import DEFAULT_GUARD, DEFAULT_OWN, select_constants
 
 CALIBRATION_FILE = "embeddings.calibration.json"
 FORMAT = 3  # formats 1 (centroid / knn only, no shrinkage) and 2 (no gate: gain 1) are still read
 Statistic = Literal["mahalanobis", "centroid", "knn"]
 STATISTICS: tuple[str, ...] = ("mahalanobis", "centroid", "knn")
-GUARD_QUANTILE = 0.98  # the background scores' quantile below which the Gaussian's map gives a = 0
+GUARD_QUANTILE = DEFAULT_GUARD  # the guard quantile a client keeps when it is too small to choose its own
 Scorer = Callable[[np.ndarray], np.ndarray]  # (Q, H) raw states -> (Q,) scores, higher = more typical
 _CHUNK = 1024  # rows of the leave-one-out similarity matrix held at once
 
@@ -237,7 +240,7 @@ def scores(unit_queries: np.ndarray, unit_instances: np.ndarray, statistic: Stat
 
 
 def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statistic = "mahalanobis", k: int = 5,
-              background_quantile: float | None = None, background_id: str = "", own_quantile: float = 0.25,
+              background_quantile: float | None = None, background_id: str = "", own_quantile: float | None = None,
               shrinkage: float | None = None) -> Calibration:
     """Calibrate one client from its instance states and the background prompts' states.
 
@@ -247,12 +250,14 @@ def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statisti
         statistic: ``mahalanobis`` (default), ``centroid`` or ``knn``.
         k: neighbours for ``knn``.
         background_quantile: which quantile of the background scores maps to ``a = 0`` (1: the highest).
-            None: 0.98 for ``mahalanobis`` (about the third closest of 150 public prompts: one or two generic
-            prompts that happen to be of the client's task, such as the background's capital-city
-            question for a capitals client, would otherwise zero the client's own prompts), 1 for the
-            cosine statistics (their first calibrations).
+            None with ``own_quantile`` None, for ``mahalanobis``: both are chosen on the client's validation
+            split (:func:`routing.selection.select_constants`, recorded as ``summary["selection"]``); None
+            alone: 0.98 for ``mahalanobis`` (a generic prompt of the client's own task, such as the
+            background's capital-city question for a capitals client, must not zero its own prompts), 1 for
+            the cosine statistics (their first calibrations).
         background_id: name of the background set (stored in the summary).
-        own_quantile: which quantile of the held-out own scores maps to ``a = lambda``.
+        own_quantile: which quantile of the held-out own scores maps to ``a = lambda`` (None: chosen with
+            the guard as above, else 0.25).
         shrinkage: the Gaussian's covariance shrinkage (None: the Ledoit-Wolf estimate of the instances).
 
     Raises:
@@ -264,8 +269,14 @@ def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statisti
                            f"and {background.shape}")
     if len(instances) < 2 or len(background) < 2:
         raise RoutingError("calibration needs at least 2 instances and 2 background prompts")
+    selection = None
+    if statistic == "mahalanobis" and background_quantile is None and own_quantile is None:
+        selection = select_constants(instances, background)
+        background_quantile, own_quantile = selection.guard_quantile, selection.own_quantile
     if background_quantile is None:
         background_quantile = GUARD_QUANTILE if statistic == "mahalanobis" else 1.0
+    if own_quantile is None:
+        own_quantile = DEFAULT_OWN
     if not (0.0 <= background_quantile <= 1.0 and 0.0 <= own_quantile <= 1.0):
         raise RoutingError(f"quantiles must be in [0, 1], got {background_quantile} and {own_quantile}")
     if statistic not in STATISTICS:
@@ -290,6 +301,8 @@ def calibrate(instances: np.ndarray, background: np.ndarray, statistic: Statisti
                "background_quantile": background_quantile, "own_quantile": own_quantile,
                "own_quantiles": {str(q): float(np.quantile(own, q)) for q in qs},
                "background_quantiles": {str(q): float(np.quantile(bg, q)) for q in qs}}
+    if selection is not None:
+        summary["selection"] = selection.asdict()
     o, b = float(np.quantile(own, own_quantile)), float(np.quantile(bg, background_quantile))
     if statistic == "mahalanobis":  # conformal map: overlap only means fewer own prompts clear the guard
         summary["own_above_background"] = float((own > b).mean())

@@ -21,10 +21,13 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     """Register ``fedmosaic eval``."""
     p = sub.add_parser("eval", help="evaluate run directories in the layout of paper 000 Table 1")
     p.add_argument("run_dirs", nargs="+", help="one run directory, or several with --compare")
-    p.add_argument("--limit", type=int, default=None, help="test examples per task")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, default=None,
+                   help="score only the first N test examples per task (default: all of them, 200 per task on "
+                        "the FedDPA data sets: the reproduction protocol; a limit is for quick looks only)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="answer length (the FedDPA reference: 80)")
     p.add_argument("--num-beams", type=int, default=1,
-                   help="1: greedy on the continuous-batching engine; >1: HF beam search (the FedDPA reference: 4)")
+                   help="1: greedy on the continuous-batching engine; >1: HF beam search (the FedDPA reference: 4); "
+                        "cached answers are kept per setting")
     p.add_argument("--batch-size", type=int, default=8, help="rows decoded together")
     p.add_argument("--metric", choices=METRICS, default="rouge1")
     p.add_argument("--data", default=None, help="data set spec (default: run.json's)")

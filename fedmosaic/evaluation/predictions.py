@@ -2,10 +2,12 @@
 
 An evaluation that is interrupted (Ctrl-C, a crash, a killed machine) keeps every finished row; the
 next run reads the finished rows, skips them, and generates only the rest. A torn last line is
-ignored and its row recomputed. A row whose prompt no longer matches is recomputed too, and so is a
-row whose ``tag`` (how it was generated: served target, routing, decoding) differs from the one asked
-for, so a changed data set, template, target or decoding setting never mixes stale predictions into
-the scores. Rows may carry extra fields (e.g. the FedDPA weights an answer was decoded with).
+ignored and its row recomputed. A row whose prompt no longer matches is recomputed too. A row whose
+``tag`` (how it was generated: served target, routing, decoding, ``num_beams``, ``max_new_tokens``)
+differs from the one asked for is never used, so a changed data set, template, target or decoding
+setting never mixes stale predictions into the scores; rows of several settings are kept side by
+side, so returning to a setting costs nothing. Rows may carry extra fields (e.g. the FedDPA weights
+an answer was decoded with).
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class PredictionCache:
         """File of one (checkpoint, model key, task)."""
         return self.root / checkpoint / key / f"{task}.jsonl"
 
-    def read(self, checkpoint: str, key: str, task: str) -> dict[int, dict]:
-        """Finished rows by example index (torn or malformed lines are skipped; the last row of an index wins)."""
+    def read(self, checkpoint: str, key: str, task: str, tag: str | None = None) -> dict[int, dict]:
+        """Finished rows by example index (torn or malformed lines are skipped; the last row of an index wins).
+
+        With ``tag``, only rows generated that way count: answers of several settings (greedy and 4 beams,
+        64 and 80 tokens) live side by side in one file, and going back to a setting reuses its rows.
+        """
         path = self.path(checkpoint, key, task)
         rows: dict[int, dict] = {}
         if not path.is_file():
@@ -45,15 +51,16 @@ class PredictionCache:
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
                 row = json.loads(line)
-                rows[int(row["i"])] = row
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                if tag is None or row.get("tag") == tag:
+                    rows[int(row["i"])] = row
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                 continue
         return rows
 
     def missing(self, checkpoint: str, key: str, task: str, prompts: Sequence[str], tag: str | None = None
                 ) -> list[int]:
         """Indexes of ``prompts`` without a valid row (absent, other prompt, or another ``tag``)."""
-        done = self.read(checkpoint, key, task)
+        done = self.read(checkpoint, key, task, tag)
         return [i for i, p in enumerate(prompts) if not _valid(done.get(i), p, tag)]
 
     def append(self, checkpoint: str, key: str, task: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -75,7 +82,7 @@ class PredictionCache:
         Raises:
             KeyError: a prompt has no valid row yet.
         """
-        done = self.read(checkpoint, key, task)
+        done = self.read(checkpoint, key, task, tag)
         bad = [i for i, p in enumerate(prompts) if not _valid(done.get(i), p, tag)]
         if bad:
             raise KeyError(f"{self.path(checkpoint, key, task)} lacks valid rows for examples {bad[:10]}")

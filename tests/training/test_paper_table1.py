@@ -1,18 +1,25 @@
-"""bench/paper_table1.py --seeds: every cell's mean and standard deviation over the seeds' runs."""
+"""bench/paper_table1.py: cells (method x seed x weighting rule) trained, evaluated, resumed and tabulated.
+
+End to end on the tiny model (1 round, a few examples): FedIT and FedDPA-T over two seeds, FedDPA-T
+scored with the paper's rule and the calibrated one from the same training run. The table's means and
+sample standard deviations are recomputed here from the cell files and from each run's own evaluation;
+a second invocation finds every cell finished and neither trains nor evaluates.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+ARGS = ["--methods", "fedit,feddpa-t", "--data", "generated", "--data-option", "n_train=4",
+        "--data-option", "n_test=2", "--data-option", "families=sorting,capitals", "--model", "tiny",
+        "--preset", "tiny", "--rounds", "1", "--seeds", "0", "1", "--limit", "2", "--max-new-tokens", "2",
+        "--dtype", "float32"]
 
 
 def _bench():  # noqa: ANN202 - the script is not a package module
@@ -22,36 +29,91 @@ def _bench():  # noqa: ANN202 - the script is not a package module
     return module
 
 
-def _results(values: list[float], avg: float) -> dict:
-    return {"tables": {"personalization": [{"label": "m", "values": {"a": values[0], "b": values[1]}, "avg": avg}],
-                       "ttp": [{"label": "m", "values": {"a": 1.0, "b": 2.0}, "avg": 1.5}]}}
-
-
-def test_cell_stats_are_mean_and_sample_std_over_seeds() -> None:
+def test_aggregate_is_mean_and_sample_std_over_seeds() -> None:
     bench = _bench()
-    runs = [_results([10.0, 20.0], 15.0), _results([14.0, 22.0], 18.0), _results([12.0, 27.0], 19.5)]
-    stats = bench.cell_stats(runs)
-    cell = stats["personalization"]["m"]["a"]
-    assert cell["mean"] == pytest.approx(12.0) and cell["std"] == pytest.approx(statistics.stdev([10, 14, 12]))
-    assert stats["personalization"]["m"]["avg"]["std"] == pytest.approx(statistics.stdev([15.0, 18.0, 19.5]),
-                                                                          abs=1e-4)
-    assert stats["ttp"]["m"]["b"] == {"mean": 2.0, "std": 0.0}
-    assert bench.cell_stats(runs[:1])["personalization"]["m"]["a"]["std"] == 0.0
-    md = bench.stats_markdown({"fedit": stats}, "rouge1")
-    assert "| Personalization | m | 12.00 ± 2.00 |" in md
+    cells = [{"method": "fedit", "label": "FedIT", "rule": "native", "seed": s, "train_seconds": t, "eval_seconds": 2.0,
+              "personalization": {"values": {"a": a, "b": b}, "avg": (a + b) / 2},
+              "ttp": {"values": {"a": 1.0, "b": 2.0}, "avg": 1.5}}
+             for s, (a, b, t) in enumerate([(10.0, 20.0, 5.0), (14.0, 22.0, 7.0), (12.0, 27.0, 6.0)])]
+    (row,) = bench.aggregate(cells)
+    assert row["personalization"]["values"]["a"]["mean"] == pytest.approx(12.0)
+    assert row["personalization"]["values"]["a"]["std"] == pytest.approx(statistics.stdev([10, 14, 12]))
+    assert row["personalization"]["avg"]["std"] == pytest.approx(statistics.stdev([15.0, 18.0, 19.5]))
+    assert row["ttp"]["values"]["b"] == {"mean": 2.0, "std": 0.0, "n": 3} and row["seeds"] == [0, 1, 2]
+    assert row["train_seconds"]["mean"] == pytest.approx(6.0)
+    assert bench.aggregate(cells[:1])[0]["personalization"]["avg"]["std"] == 0.0
+    md = bench.markdown([row], cells, {"data": "d", "preset": "p", "metric": "rouge1", "evaluation": "all"})
+    assert "| FedIT | 0,1,2 | 17.50 ± 2.29 | 1.50 ± 0.00 | 6 | 2 |" in md
+    assert "| FedIT | 12.00 ± 2.00 | 23.00 ± 3.61 | 17.50 ± 2.29 |" in md
 
 
-def test_two_seeds_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
+def test_unknown_preset_and_method_fail_in_one_line() -> None:
+    bench = _bench()
+    with pytest.raises(SystemExit, match="unknown preset 'nope'"):
+        bench.main(["--methods", "fedit", "--preset", "nope"])
+    with pytest.raises(SystemExit, match="unknown methods"):
+        bench.main(["--methods", "fedxyz"])
+    preset, note = bench.default_preset()
+    assert preset == "repro" if "repro" in bench.BUDGETS else (preset == "small" and "repro" in note)
+
+
+def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench()
     out = tmp_path / "t1"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "paper_table1.py"), "--methods", "fedit", "--data", "generated",
-         "--model", "tiny", "--preset", "tiny", "--rounds", "1", "--seeds", "2", "--limit", "1",
-         "--max-new-tokens", "2", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout)
-    assert (out / "fedit" / "seed0" / "summary.json").is_file() and (out / "fedit" / "seed1" / "summary.json").is_file()
-    assert len(report["methods"]["fedit"]["train"]) == 2
-    assert (out / "table1_mean_std.md").read_text() == report["table_mean_std"]
-    cells = report["cells"]["fedit"]["personalization"]
-    assert all("mean" in v and "std" in v for row in cells.values() for v in row.values())
+    report = bench.main([*ARGS, "--out", str(out)])
+    assert report["failed"] == [] and report["skipped"] == []
+    names = sorted(p.name for p in (out / "cells").iterdir())
+    assert names == sorted(f"{m}__seed{s}__{r}__rouge1-2-b1-t2.json" for m, rules in (("fedit", ["native"]),
+                                                                       ("feddpa-t", ["paper", "calibrated"]))
+                           for s in (0, 1) for r in rules)
+    cells = {(c["method"], c["seed"], c["rule"]): c for c in report["cells"]}
+    # a cell holds its run's own evaluation: the first (personalised) row of each block
+    run = json.loads((out / "fedit" / "seed1" / "eval" / "results.json").read_text())
+    assert cells[("fedit", 1, "native")]["ttp"]["avg"] == pytest.approx(run["tables"]["ttp"][0]["avg"])
+    assert cells[("fedit", 1, "native")]["n_per_task"] == {"sorting": 2, "capitals": 2}
+    # the two FedDPA-T rules come from one training run, evaluated with each rule
+    paper, calibrated = cells[("feddpa-t", 0, "paper")], cells[("feddpa-t", 0, "calibrated")]
+    assert paper["train_seconds"] == calibrated["train_seconds"] and paper["losses"] == calibrated["losses"]
+    rows = {(r["method"], r["rule"]): r for r in report["rows"]}
+    assert set(rows) == {("fedit", "native"), ("feddpa-t", "paper"), ("feddpa-t", "calibrated")}
+    for (method, rule), row in rows.items():
+        for block in ("personalization", "ttp"):
+            per_seed = [cells[(method, s, rule)][block]["avg"] for s in (0, 1)]
+            assert row[block]["avg"]["mean"] == pytest.approx(statistics.fmean(per_seed))
+            assert row[block]["avg"]["std"] == pytest.approx(statistics.stdev(per_seed))
+    md = (out / "table1.md").read_text()
+    assert md == report["markdown"] and "| FedDPA-T (paper rule) | 0,1 |" in md
+    assert "| FedDPA-T (calibrated, ours) | 0,1 |" in md and "the first 2 test examples per task" in md
+
+    # resume: a finished cell is neither trained nor evaluated again; a removed one is redone alone
+    (out / "cells" / "feddpa-t__seed1__calibrated__rouge1-2-b1-t2.json").unlink()
+    evaluated: list[str] = []
+    real_eval = bench.evaluate_run
+
+    def no_training(*_a, **_k):  # noqa: ANN202
+        raise AssertionError("a finished run was trained again")
+
+    def counting_eval(run_dir, opts):  # noqa: ANN001, ANN202
+        evaluated.append(f"{Path(run_dir).parent.name}/{opts.feddpa_weighting}")
+        return real_eval(run_dir, opts)
+
+    monkeypatch.setattr(bench, "run_federated", no_training)
+    monkeypatch.setattr(bench, "evaluate_run", counting_eval)
+    again = bench.main([*ARGS, "--out", str(out)])
+    assert evaluated == ["feddpa-t/calibrated"] and again["failed"] == [] and len(again["skipped"]) == 5
+    again_rows = {(r["method"], r["rule"]): r for r in again["rows"]}
+    assert again_rows[("fedit", "native")] == rows[("fedit", "native")]
+    assert again_rows[("feddpa-t", "calibrated")]["ttp"]["avg"]["mean"] == pytest.approx(
+        rows[("feddpa-t", "calibrated")]["ttp"]["avg"]["mean"])  # the cached predictions give the same scores
+    evaluated.clear()
+    bench.main([*ARGS, "--out", str(out)])
+    assert evaluated == []
+    # an invocation for some methods still tabulates every finished cell of the same settings
+    alone = bench.main([*ARGS[:1], "fedit", *ARGS[2:], "--out", str(out)])
+    assert {(r["method"], r["rule"]) for r in alone["rows"]} == set(rows) and evaluated == []
+    # another evaluation setting is a new cell of the same trained run; another training setting is refused
+    other = bench.main([*ARGS[:1], "fedit", *ARGS[2:], "--max-new-tokens", "3", "--out", str(out)])
+    assert other["failed"] == [] and {r["method"] for r in other["rows"]} == {"fedit"}
+    assert evaluated == ["fedit/None", "fedit/None"]  # seeds 0 and 1, from the runs already trained
+    with pytest.raises(SystemExit, match="another --out"):
+        bench.main([*ARGS, "--rounds", "2", "--out", str(out)])

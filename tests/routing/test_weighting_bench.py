@@ -1,0 +1,53 @@
+"""bench/feddpa_weighting.py compares the rules on validation prompts carved from training data, never test data."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training.data.records import ClientData, FederatedDataset, Record
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():  # noqa: ANN202 - the script is not a package module
+    spec = importlib.util.spec_from_file_location("feddpa_weighting", ROOT / "bench" / "feddpa_weighting.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+class Untouchable(dict):
+    def __getattribute__(self, name: str):  # noqa: ANN204 - any use of the test sets fails the test
+        raise AssertionError(f"the bench read the test sets ({name})")
+
+
+def test_split_is_disjoint_training_data_and_never_reads_tests() -> None:
+    clients = tuple(ClientData(f"c{k}", f"t{k}", tuple(Record(f"q{k}-{i}", f"a{i}") for i in range(10)))
+                    for k in range(2))
+    ds = FederatedDataset("d", clients, tests=Untouchable())
+    splits = _bench().split_training(ds, n_train=6, n_val=3)
+    for c in clients:
+        index, val = splits[c.client_id]
+        assert len(index) == 6 and len(val) == 3 and not set(index) & set(val) and set(index + val) <= set(c.train)
+    with pytest.raises(SystemExit, match="too few"):
+        _bench().split_training(ds, n_train=6, n_val=9)
+
+
+def test_measure_scores_validation_prompts_and_refuses_test_embeddings() -> None:
+    bench = _bench()
+    rng = np.random.default_rng(0)
+    data: dict[str, np.ndarray] = {"bg": rng.normal(size=(40, 16)).astype(np.float32)}
+    for k in range(2):
+        centre = rng.normal(scale=4.0, size=16)
+        data[f"train/c{k}"] = (centre + rng.normal(size=(30, 16))).astype(np.float32)
+        data[f"val/c{k}"] = (centre + rng.normal(size=(8, 16))).astype(np.float32)
+        data[f"task/c{k}"] = np.array([f"t{k}"])
+    summary = bench.measure(data)
+    assert summary["calibrated"]["auc_mean"] > 0.9  # own validation prompts apart from the other client's
+    assert set(summary["per_client"]) == {"c0", "c1"}
+    with pytest.raises(SystemExit, match="test prompts"):
+        bench.measure({**data, "test/t0": data["val/c0"]})
