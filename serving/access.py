@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,12 +71,15 @@ class Principal:
         name: a label for logs (a binding's ``name``, ``admin``, ``user`` or ``anonymous``); never the key.
         binding: the targets a bound user key may use; None reaches every target.
         authenticated: False for the anonymous caller of a server without keys.
+        tenant: the cache partition of this caller's requests (one per key, derived from its digest; ""
+            for the anonymous caller): a request reuses only prompt prefixes its own key's requests left.
     """
 
     role: Role
     name: str
     binding: Binding | None = None
     authenticated: bool = True
+    tenant: str = field(default="", repr=False)
 
     @property
     def admin(self) -> bool:
@@ -148,6 +151,7 @@ class KeyRing:
             if not key or key != key.strip():
                 raise AccessConfigError("API keys must be non-empty and have no surrounding spaces")
             digest = _digest(key.encode("utf-8"))
+            principal = replace(principal, tenant=digest[:32])
             if digest in principals and principals[digest] != principal:
                 raise AccessConfigError(f"a key is configured twice with different roles or bindings "
                                         f"({principals[digest].name} and {principal.name})")

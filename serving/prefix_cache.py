@@ -16,7 +16,13 @@ never pushes out another key's spare: it takes a free spare or one held by anoth
 spares go first. (A burst of eight clients' exact passes would otherwise push out the global adapter's
 system prompt before any routing pass reused it, burst after burst.)
 
-Keys are the engine-internal adapter names (``<name>@<version>``, so a reloaded adapter never
+Keys start with the request's cache scope (the caller's tenant, :attr:`serving.access.Principal.tenant`;
+one scope on a server without keys), so a prompt reuses only prefixes its own tenant's prompts left:
+how much of a prompt is reused (what ``/metrics`` counts, and what makes a prompt pass faster) says
+nothing about another tenant's prompts. Within a tenant every pass under the same weights shares, the
+FedDPA routing passes of the tenant's clients and its ``global`` requests included. The slots
+themselves are shared: a tenant's prompt may evict another's (that tells activity, never text).
+Then come the engine-internal adapter names (``<name>@<version>``, so a reloaded adapter never
 matches), the weights, and the identity of each adapter's tensors (an adapter changed in place does
 not match either), leaving out adapters at weight 0: they contribute nothing to any layer's output. The
 KV of a prefix depends only on those and the tokens: reusing it is the pass itself, up to the
@@ -58,13 +64,13 @@ class PrefixCache:
         self.hits = 0
         self.reused_tokens = 0
 
-    def key(self, adapters: RowAdapters) -> Key | None:
-        """The cache key of a pass with ``adapters``; None for an AMoLE row (routed per token)."""
+    def key(self, adapters: RowAdapters, scope: str = "") -> Key | None:
+        """The cache key of a pass with ``adapters`` for tenant ``scope``; None for an AMoLE row (routed per token)."""
         if not adapters.plain:
             return None
         # (global 1, local 0) is global alone: a routing pass shares its prefix with every client's and `global`'s
-        return tuple((n, w, self.fingerprint(n)) for n, w in zip(adapters.names, adapters.weights, strict=True)
-                     if w != 0)
+        return (scope, *((n, w, self.fingerprint(n)) for n, w in zip(adapters.names, adapters.weights, strict=True)
+                         if w != 0))
 
     def _longest(self, key: Key, ids: Sequence[int]) -> tuple[int, int]:
         """(spare slot, shared length) of the entry sharing the longest prefix with ``ids``; (-1, 0) if none."""
@@ -81,12 +87,13 @@ class PrefixCache:
                 best = (slot, n)
         return best
 
-    def reuse(self, adapters: RowAdapters, ids: Sequence[int], slot: int) -> int:
+    def reuse(self, adapters: RowAdapters, ids: Sequence[int], slot: int, scope: str = "") -> int:
         """Copy the longest cached prefix of ``ids`` under ``adapters`` into ``slot``; returns its length.
 
-        At most ``len(ids) - 1`` positions: the last prompt token is always computed.
+        At most ``len(ids) - 1`` positions: the last prompt token is always computed. Only prefixes
+        remembered for the same ``scope`` (tenant) match.
         """
-        key = self.key(adapters)
+        key = self.key(adapters, scope)
         if key is None or not self._entries:
             return 0
         spare, n = self._longest(key, ids)
@@ -101,14 +108,16 @@ class PrefixCache:
         self.reused_tokens += n
         return n
 
-    def remember(self, adapters: RowAdapters, ids: Sequence[int], slot: int, own: bool = False) -> None:
+    def remember(self, adapters: RowAdapters, ids: Sequence[int], slot: int, own: bool = False,
+                 scope: str = "") -> None:
         """Keep the prompt ``ids`` that ``slot`` holds under ``adapters`` (unless a spare already does).
 
         Args:
             own: the weights were routed for this prompt (an exact pass): keep it only in a free spare
                 or in place of another such prompt, never evicting a prefix other prompts may share.
+            scope: the tenant whose later prompts may reuse it.
         """
-        key = self.key(adapters)
+        key = self.key(adapters, scope)
         if key is None or not self.kv.spare_slots:
             return
         spare, shared = self._longest(key, ids)

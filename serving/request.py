@@ -58,6 +58,8 @@ class GenerationRequest:
             token is routed over that client's experts; no plain adapters and no ``weight_fn`` then.
         state_pooling: the state ``weight_fn`` gets: the last prompt token's (``last``) or the mean of
             the final-layer states over the prompt's tokens (``mean``, paper 000 Table 10).
+        cache_scope: the prefix-cache partition (the caller's tenant): the prompt reuses only prefixes
+            that requests of the same scope left (:mod:`serving.prefix_cache`).
     """
 
     prompt: str | None = None
@@ -71,6 +73,7 @@ class GenerationRequest:
     exact_prefill: bool = False
     route: AMoLEClientRoute | None = field(default=None, compare=False)
     state_pooling: Literal["last", "mean"] = "last"
+    cache_scope: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.state_pooling not in ("last", "mean"):

@@ -215,6 +215,6 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
     openapi.install(app, secured=not keys.open)
     for module in (health, models, chat, completions, adapters, run_files):
         app.include_router(module.router)
-    app.include_router(health.metrics_router(settings.protect_metrics))
+    app.include_router(health.metrics_router(settings.protect_metrics, keyed=not keys.open))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
