@@ -192,7 +192,8 @@ def add_batch_arguments(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    """Answer the batch file; print a JSON summary. Exit status 0 even when some lines failed."""
+    """Answer the batch file; print a JSON summary. Exit status 1 when any line failed (each has its error
+    record in the output), else 0."""
     from routing.base import RoutingError
     from serving.api.app import stack_config
     from serving.batch import BatchConfig, run_batch
@@ -221,4 +222,4 @@ def run_batch(args: argparse.Namespace) -> int:
     summary = run_batch(executor, stack.loaded.tokenizer, args.input, args.output, config,
                         progress=not args.no_progress)
     print(json.dumps({**summary.__dict__, "backend": backend}))
-    return 0
+    return 1 if summary.failed else 0
