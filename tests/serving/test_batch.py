@@ -214,7 +214,8 @@ def test_bad_bytes_and_deep_nesting_cost_one_line_each(run_dir: Path, tmp_path: 
         line("deep", {**CHAT, "metadata": {"a": json.loads("[" * 40 + "]" * 40)}}).encode(),
         b"{not json",
         line("no-model", {**CHAT, "model": "nope"}).encode(),
-        json.dumps({"model": "tiny", "prompt": "caf\u00e9 \u2028 ok", "max_tokens": 2}).encode(),  # U+2028 is no line end
+        # raw U+2028 inside a JSON string: no line end for JSONL
+        json.dumps({"model": "tiny", "prompt": "caf\u00e9 \u2028 ok", "max_tokens": 2}, ensure_ascii=False).encode(),
         line("good-2", {**CHAT, "model": "1"}).encode(),
     ]) + b"\n")
     out = tmp_path / "out.jsonl"
@@ -227,7 +228,8 @@ def test_bad_bytes_and_deep_nesting_cost_one_line_each(run_dir: Path, tmp_path: 
     assert "not UTF-8" in rows[1]["error"]["message"]
     assert "deeper than" in rows[2]["error"]["message"] and "deeper than" in rows[3]["error"]["message"]
     for r in rows[1:6]:  # the OpenAI batch error format: the envelope as the body, its error object beside it
-        assert r["response"]["body"] == {"error": r["error"]} and set(r["error"]) == {"message", "type", "param", "code"}
+        assert r["response"]["body"] == {"error": r["error"]}
+        assert set(r["error"]) == {"message", "type", "param", "code"}
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (summary["succeeded"], summary["failed"]) == (3, 5)
     assert code == 1  # the exit status says some lines failed
