@@ -9,6 +9,9 @@ header and asks a :class:`KeyRing` who the caller is.
   use (a *virtual key*, as LLM gateways call it): bound to client ``sorting`` it reaches ``sorting``,
   ``sorting:local``, ``global`` and the base model, nothing else; bound to models, exactly those.
 * With no key configured at all the server is open: every caller is an anonymous, unbound user.
+* Every key is a **tenant** (:attr:`Principal.tenant`): caches a request can observe, the prompt-prefix
+  cache, are partitioned by it, so nothing one key's requests left shows in another key's (an open
+  server is one tenant).
 
 Keys come from settings (environment or code), from key files (one key per line; blank lines and
 lines starting with ``#`` skipped) and from a binding file (JSON, below). A key is looked up by its
