@@ -91,7 +91,7 @@ def check_folder_files(folder: Path, root: Path | None) -> None:
         PathNotAllowed: a file or subfolder of ``folder`` resolves outside the root.
         AdapterLoadFailed: the folder cannot be listed or an entry cannot be resolved.
     """
-    if root is None:
+    if root is None or not folder.is_dir():  # a missing folder: the loader says so
         return
     try:
         for child in folder.iterdir():
