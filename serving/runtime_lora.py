@@ -11,7 +11,8 @@ may ask of it, for the HTTP routes and any other operator tool:
   client. Reloading a registered adapter in place (``replace``) is allowed: that is a new version of
   the same thing, not a new meaning for the name;
 * a pinned adapter is unloaded only with ``force`` (every FedDPA client needs the pinned ``global``),
-  and only by an admin key (:func:`needs_admin_key`), even where unbound user keys act as admins.
+  and, on a server with keys, only by an admin key (:func:`needs_admin_key`), even where unbound user keys
+  act as admins (a server without keys has one user, its operator).
 """
 
 from __future__ import annotations

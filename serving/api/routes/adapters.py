@@ -43,7 +43,8 @@ async def unload_lora_adapter(caller: Admin, body: UnloadLoraAdapterRequest,
                               state: State) -> PlainTextResponse:
     """Unload an adapter (a pinned one only with ``force`` and an admin key); requests using it finish with it."""
     stack = _stack(state)
-    if not caller.admin and runtime_lora.needs_admin_key(stack, body.lora_name):
+    # on a server with keys, tenants all need `global` and the pinned adapters: only an admin key removes them
+    if not caller.admin and not state.keys.open and runtime_lora.needs_admin_key(stack, body.lora_name):
         raise HTTPException(403, "unloading global or a pinned adapter needs an admin key")
     await run_in_threadpool(runtime_lora.unload, stack, body.lora_name, body.force)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
