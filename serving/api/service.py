@@ -100,7 +100,7 @@ async def start(state: ServerState, body: SamplingFields, choices: Sequence[Choi
     mixture = tuple(body.mixture() or ()) or None
     exact = state.settings.feddpa_prefill == "exact"
     jobs = [Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids, mixture=mixture,
-                exact_prefill=exact, cache_scope=caller.tenant) for c in choices]
+                exact_prefill=exact, cache_scope=caller.tenant, shared_prefix=c.shared_prefix) for c in choices]
     # leasing may reload an evicted adapter from disk: off the event loop
     try:
         submitted = await run_in_threadpool(submit_all, state.stack, jobs)

@@ -101,6 +101,32 @@ def test_a_tenants_own_prompts_share_the_routing_pass_prefix(client: TestClient)
     assert before is not None and after is not None and after > before
 
 
+def chat(client: TestClient, key: str, model: str, content: str) -> None:
+    reply = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
+        "model": model, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": content}]})
+    assert reply.status_code == 200, reply.text
+
+
+def test_tenants_share_the_chat_template_and_nothing_after_it(client: TestClient) -> None:
+    tokenizer = client.app.state.server.engine.tokenizer  # type: ignore[attr-defined]
+    template = len(tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"])  # the template's own text
+    chat(client, TENANT_B, "capitals", SECRET)
+    before = reused(client, ADMIN)
+    chat(client, TENANT_A, "sorting", "Quite another question")  # A's first chat: only B's prompt could serve it
+    after = reused(client, ADMIN)
+    assert before is not None and after is not None and after - before == template  # the routing pass's template
+    chat(client, TENANT_A, "sorting", "Remember for later: the vault PIN=x ok")  # A's own copy of the public part
+    seen: dict[int, float] = {}
+    for digit in range(10):
+        chat(client, TENANT_B, "capitals", SECRET)
+        before = reused(client, ADMIN)
+        chat(client, TENANT_A, "sorting", f"Remember for later: the vault PIN={digit} ok")
+        after = reused(client, ADMIN)
+        assert before is not None and after is not None
+        seen[digit] = after - before
+    assert len(set(seen.values())) == 1, seen  # B's message after the template is never reused by A
+
+
 def test_metrics_need_the_admin_key_whenever_keys_are_configured(root: Path) -> None:
     (root / "users.txt").write_text(f"{UNBOUND}\n")
     with serve(root, api_key_file=root / "users.txt", allow_runtime_lora=True) as client:  # users, no admin key
