@@ -40,7 +40,7 @@ from pathlib import Path
 from adapters import AdaptedModel, AdapterError, load_adapter
 from adapters.io import CONFIG_FILE, WEIGHTS_FILE
 from serving.amole_router import AMoLEClientRoute, AMoLERegistry, amole_folder, client_names, load_bundle, unload_bundle
-from serving.client_paths import check_adapter_name, resolve_adapter_path
+from serving.client_paths import check_adapter_name, check_folder_files, resolve_adapter_path
 from serving.errors import AdapterExists, AdapterLoadFailed, AdapterNotFound, AdapterPinned, InvalidRequest, NoFreeSlot
 from serving.model_lock import ModelLock
 from serving.pool_run import ClientFiles, RunInfo, register_run
@@ -158,6 +158,7 @@ class AdapterPool(PoolViews):
         """
         check_adapter_name(name)
         folder = self.resolve(path)
+        check_folder_files(folder, self.root)
         missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
         if missing:
             raise AdapterLoadFailed(f"adapter folder {path} has no {' or '.join(missing)}")
@@ -312,6 +313,7 @@ class AdapterPool(PoolViews):
             self._evict(exclude)
         version = self._versions.get(entry.name, 0) + 1
         internal = f"{entry.name.replace('.', '%')}@{version}"  # layer names may not contain dots
+        check_folder_files(entry.path, self.root)  # at every (re)load: the files are read now
         try:
             if entry.kind == "amole":
                 self.amole.add(load_bundle(self.adapted, entry.path, entry.name, internal, self.check_base))
