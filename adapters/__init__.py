@@ -8,7 +8,7 @@ from adapters.context import AdapterContext, AdapterWeights, TokenRouting, weigh
 from adapters.device import module_device
 from adapters.export import concat_adapters, export_mixture
 from adapters.inject import AdaptedModel, inject
-from adapters.io import load_adapter, read_adapter_folder, save_adapter, write_adapter_folder
+from adapters.io import load_adapter, read_adapter_config, read_adapter_folder, save_adapter, write_adapter_folder
 from adapters.layer import LoraAdapter, MultiLoraLinear
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "inject",
     "load_adapter",
     "module_device",
+    "read_adapter_config",
     "read_adapter_folder",
     "save_adapter",
     "weight_matrix",

@@ -76,25 +76,43 @@ class LoraConfig:
 
     @classmethod
     def from_peft_dict(cls, data: dict[str, Any]) -> LoraConfig:
-        """Build a config from PEFT's ``adapter_config.json``, refusing what we cannot apply."""
+        """Build a config from PEFT's ``adapter_config.json``, refusing what we cannot apply.
+
+        Every field is type-checked as it is read (``r`` a positive integer, never a truncated float;
+        ``lora_alpha`` and ``lora_dropout`` numbers; ``target_modules`` a list of module names), so a
+        wrongly typed file is an AdapterError naming the field, never a TypeError.
+
+        Raises:
+            AdapterError: an unsupported option or a field of the wrong type or range (named).
+        """
         if data.get("peft_type", "LORA") != "LORA":
-            raise AdapterError(f"only LoRA adapters are supported, got peft_type={data.get('peft_type')!r}")
+            raise AdapterError(f"only LoRA adapters are supported, got peft_type={_shown(data.get('peft_type'))}")
         for flag, wrong in (("use_dora", True), ("fan_in_fan_out", True), ("lora_bias", True)):
             if data.get(flag) == wrong:
                 raise AdapterError(f"adapter_config.json sets {flag}={wrong}, which fedmosaic does not support")
         if data.get("bias", "none") != "none":
-            raise AdapterError(f"adapter_config.json sets bias={data['bias']!r}; only 'none' is supported")
+            raise AdapterError(f"adapter_config.json sets bias={_shown(data['bias'])}; only 'none' is supported")
         if data.get("rank_pattern") or data.get("alpha_pattern"):
             raise AdapterError("adapter_config.json uses rank_pattern/alpha_pattern, which fedmosaic does not support")
+        rank = data.get("r")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise AdapterError(f"adapter_config.json field 'r' must be a positive integer, got {_shown(rank)}")
         targets = data.get("target_modules")
         if isinstance(targets, str):
-            raise AdapterError(f"target_modules as a regex ({targets!r}) is not supported; list the module names")
+            raise AdapterError(f"target_modules as a regex ({_shown(targets)}) is not supported; list the module names")
+        names = isinstance(targets, list) and all(isinstance(t, str) and t for t in targets)
+        if targets is not None and not names:
+            raise AdapterError(f"adapter_config.json field 'target_modules' must be a list of module names, "
+                               f"got {_shown(targets)}")
+        rslora = data.get("use_rslora", False)
+        if not isinstance(rslora, bool):
+            raise AdapterError(f"adapter_config.json field 'use_rslora' must be true or false, got {_shown(rslora)}")
         return cls(
-            r=int(data["r"]),
-            alpha=float(data.get("lora_alpha", 8)),
-            dropout=float(data.get("lora_dropout", 0.0)),
+            r=rank,
+            alpha=_number(data, "lora_alpha", 8.0),
+            dropout=_number(data, "lora_dropout", 0.0),
             target_modules=tuple(targets or ("q_proj", "v_proj")),
-            use_rslora=bool(data.get("use_rslora", False)),
+            use_rslora=rslora,
         )
 
     def asdict(self) -> dict[str, Any]:
@@ -102,3 +120,19 @@ class LoraConfig:
         out = asdict(self)
         out["target_modules"] = list(self.target_modules)
         return out
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a config field echoed in an error message)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _number(data: dict[str, Any], field_name: str, default: float) -> float:
+    """``data[field_name]`` as a finite float (``default`` when absent)."""
+    value = data.get(field_name, default)
+    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        and abs(value) < 1e300 else math.nan
+    if not math.isfinite(number):
+        raise AdapterError(f"adapter_config.json field {field_name!r} must be a number, got {_shown(value)}")
+    return number

@@ -13,6 +13,7 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +24,8 @@ from adapters.inject import AdaptedModel
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+MAX_CONFIG_BYTES = 1 << 20  # PEFT's configs are a few hundred bytes
+MAX_CONFIG_DEPTH = 8  # PEFT's deepest fields (rank_pattern, layer_replication) nest two or three levels
 
 
 def peft_key(path: str, which: str) -> str:
@@ -101,13 +104,7 @@ def read_adapter_folder(folder: str | Path) -> tuple[LoraConfig, dict[str, torch
         raise AdapterError(f"{folder} has no {CONFIG_FILE}")
     if not weights_path.is_file():
         raise AdapterError(f"{folder} has no {WEIGHTS_FILE}")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict) or "r" not in raw:
-        raise AdapterError(f"{config_path} is not a LoRA adapter config (no 'r')")
-    config = LoraConfig.from_peft_dict(raw)
+    config, raw = read_adapter_config(folder)
     try:
         state = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises several types for torn files
@@ -117,6 +114,49 @@ def read_adapter_folder(folder: str | Path) -> tuple[LoraConfig, dict[str, torch
         path, which = parse_peft_key(key)
         tensors[f"{path}.{which}"] = value
     return config, tensors, raw
+
+
+def read_adapter_config(folder: str | Path) -> tuple[LoraConfig, dict[str, Any]]:
+    """Read and type-check ``folder``'s ``adapter_config.json``: (config, the raw JSON object).
+
+    Raises:
+        AdapterError: the file is missing, over ``MAX_CONFIG_BYTES``, not UTF-8 JSON, nested deeper than
+            ``MAX_CONFIG_DEPTH``, not a LoRA config, or a field has the wrong type (named).
+    """
+    config_path = Path(folder) / CONFIG_FILE
+    try:
+        with open(config_path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise AdapterError(f"cannot read {config_path}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{config_path} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise AdapterError(f"{config_path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"{config_path} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise AdapterError(f"{config_path} nests deeper than {MAX_CONFIG_DEPTH} levels") from exc
+    if _depth(raw) > MAX_CONFIG_DEPTH:
+        raise AdapterError(f"{config_path} nests deeper than {MAX_CONFIG_DEPTH} levels")
+    if not isinstance(raw, dict) or "r" not in raw:
+        raise AdapterError(f"{config_path} is not a LoRA adapter config (no 'r')")
+    return LoraConfig.from_peft_dict(raw), raw
+
+
+def _depth(value: object) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def load_adapter(

@@ -9,6 +9,9 @@ header and asks a :class:`KeyRing` who the caller is.
   use (a *virtual key*, as LLM gateways call it): bound to client ``sorting`` it reaches ``sorting``,
   ``sorting:local``, ``global`` and the base model, nothing else; bound to models, exactly those.
 * With no key configured at all the server is open: every caller is an anonymous, unbound user.
+* Every key is a **tenant** (:attr:`Principal.tenant`): caches a request can observe, the prompt-prefix
+  cache, are partitioned by it, so nothing one key's requests left shows in another key's (an open
+  server is one tenant).
 
 Keys come from settings (environment or code), from key files (one key per line; blank lines and
 lines starting with ``#`` skipped) and from a binding file (JSON, below). A key is looked up by its
@@ -27,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,12 +74,15 @@ class Principal:
         name: a label for logs (a binding's ``name``, ``admin``, ``user`` or ``anonymous``); never the key.
         binding: the targets a bound user key may use; None reaches every target.
         authenticated: False for the anonymous caller of a server without keys.
+        tenant: the cache partition of this caller's requests (one per key, derived from its digest; ""
+            for the anonymous caller): a request reuses only prompt prefixes its own key's requests left.
     """
 
     role: Role
     name: str
     binding: Binding | None = None
     authenticated: bool = True
+    tenant: str = field(default="", repr=False)
 
     @property
     def admin(self) -> bool:
@@ -148,6 +154,7 @@ class KeyRing:
             if not key or key != key.strip():
                 raise AccessConfigError("API keys must be non-empty and have no surrounding spaces")
             digest = _digest(key.encode("utf-8"))
+            principal = replace(principal, tenant=digest[:32])
             if digest in principals and principals[digest] != principal:
                 raise AccessConfigError(f"a key is configured twice with different roles or bindings "
                                         f"({principals[digest].name} and {principal.name})")

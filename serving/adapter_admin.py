@@ -10,7 +10,9 @@ may ask of it, for the HTTP routes and any other operator tool:
   ``<client>`` and ``<client>:local``), or a ``<x>:local`` that would turn an adapter ``x`` into a
   client. Reloading a registered adapter in place (``replace``) is allowed: that is a new version of
   the same thing, not a new meaning for the name;
-* a pinned adapter is unloaded only with ``force`` (every FedDPA client needs the pinned ``global``).
+* a pinned adapter is unloaded only with ``force`` (every FedDPA client needs the pinned ``global``),
+  and, on a server with keys, only by an admin key (:func:`needs_admin_key`), even where unbound user keys
+  act as admins (a server without keys has one user, its operator).
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ def load(stack: ServingStack, name: str, path: str | Path, pinned: bool = False,
         if pool.amole_model_of(client) != name and (client in taken or client in pool):
             raise NameReserved(f"the AMoLE model at {str(path)!r} serves a client {client!r} whose name is taken")
     return pool.load(name, path, pinned, replace)
+
+
+def needs_admin_key(stack: ServingStack, name: str) -> bool:
+    """True when unloading ``name`` takes an admin key: ``global`` or any pinned adapter (every tenant needs them)."""
+    return name == GLOBAL or any(info.pinned for info in stack.pool.info(name))
 
 
 def unload(stack: ServingStack, name: str, force: bool = False) -> None:

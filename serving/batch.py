@@ -11,8 +11,10 @@ prompts) runs them all and is answered once the last one finished.
 
 Output: the OpenAI batch output format, one line per request, in input order:
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``. A bad line (invalid
-JSON, unknown url, invalid body, unknown model) gets its status and the OpenAI error envelope as the
-body, with the inner error object in ``error``; it never stops the rest of the file.
+UTF-8, invalid JSON, JSON nested deeper than ``MAX_DEPTH``, unknown url, invalid body, unknown model)
+gets its status and the OpenAI error envelope as the body, with the inner error object in ``error``; it
+never stops the rest of the file: the input is decoded line by line. ``fedmosaic batch`` exits with
+status 1 when any line failed (the summary says how many), 0 when every line was answered.
 
 Every valid request is handed to the engine at once (a window in flight), so continuous batching
 mixes clients across the whole file. Finished lines are appended to ``<output>.partial`` as they
@@ -46,6 +48,7 @@ from serving.stack import Job, Outcome
 logger = logging.getLogger(__name__)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_DEPTH = 32  # lists and objects nested in one line; a chat line with content parts nests about 7
 MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
 
@@ -107,13 +110,34 @@ def _fail(status: int, message: str, code: str = "invalid_request", param: str |
     return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def parse_line(n: int, text: str) -> Line:
-    """Parse input line ``n`` (1-based) into a validated request or an error."""
+def _depth(value: object) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def parse_line(n: int, text: str | bytes) -> Line:
+    """Parse input line ``n`` (1-based; text, or the raw bytes of the file) into a validated request or an error."""
     fallback = f"line-{n}"
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return Line(n, fallback, error=_fail(400, f"line {n} is not UTF-8 text ({exc.reason} at byte {exc.start})"))
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         return Line(n, fallback, error=_fail(400, f"line {n} is not valid JSON: {exc}"))
+    except RecursionError:  # far deeper than MAX_DEPTH
+        return Line(n, fallback, error=_fail(400, f"line {n} nests lists and objects deeper than {MAX_DEPTH} levels"))
+    if _depth(obj) > MAX_DEPTH:
+        return Line(n, fallback, error=_fail(400, f"line {n} nests lists and objects deeper than {MAX_DEPTH} levels"))
     if not isinstance(obj, dict):
         return Line(n, fallback, error=_fail(400, f"line {n} must be a JSON object"))
     if "body" in obj:
@@ -220,7 +244,8 @@ def run_batch(executor: Executor, tokenizer: object, input_path: str | Path, out
     out = Path(output_path)
     partial = out.with_name(out.name + ".partial")
     done = read_done(out, partial)
-    lines = [parse_line(n, raw) for n, raw in enumerate(Path(input_path).read_text(encoding="utf-8").splitlines(), 1)
+    # decoded line by line: one line that is not UTF-8 is that line's error, not the file's
+    lines = [parse_line(n, raw) for n, raw in enumerate(Path(input_path).read_bytes().splitlines(), 1)
              if raw.strip()]
     results: dict[int, dict[str, Any]] = {}
     seen: set[str] = set()

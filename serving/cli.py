@@ -80,6 +80,15 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="write a torch profiler trace of 16 engine steps (after the first 8) into DIR")
     p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="exit with status 70 when the engine thread dies, for a supervisor to restart (default on)")
+    limits = p.add_argument_group("connection limits (README, Security model)")
+    limits.add_argument("--header-timeout", type=float, default=None,
+                        help="seconds a connection gets to send its request head (default 10)")
+    limits.add_argument("--body-timeout", type=float, default=None,
+                        help="seconds a request body gets to arrive after its head: 408 beyond (default 30)")
+    limits.add_argument("--keep-alive", type=int, default=None, help="idle keep-alive seconds (default 5)")
+    limits.add_argument("--max-connections", type=int, default=None,
+                        help="open connections and requests at most: 503 beyond (default 512)")
+    limits.add_argument("--max-header-bytes", type=int, default=None, help="request head size at most (default 65536)")
     return p
 
 
@@ -109,7 +118,9 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "max_lora_rank": "max_lora_rank",
             "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
             "exit_on_engine_failure": "exit_on_engine_failure", "count_syncs": "count_syncs",
-            "profile": "profile_dir", **{f"feddpa_{name}": f"feddpa_{name}" for name in OPTION_NAMES}}
+            "profile": "profile_dir", "header_timeout": "header_timeout_s",
+            "body_timeout": "body_timeout_s", "keep_alive": "keep_alive_s", "max_connections": "max_connections",
+            "max_header_bytes": "max_header_bytes", **{f"feddpa_{name}": f"feddpa_{name}" for name in OPTION_NAMES}}
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -145,13 +156,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from routing.base import RoutingError
     from serving.access import AccessConfigError
     from serving.api import create_app
+    from serving.api.server import uvicorn_options
 
     settings = settings_from_args(args)
     try:
         app = create_app(settings)
     except (AccessConfigError, RoutingError) as exc:
         raise SystemExit(f"fedmosaic serve: {exc}") from exc
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(app, log_level="info", **uvicorn_options(settings))
     return 0
 
 
@@ -172,7 +184,8 @@ def add_batch_arguments(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    """Answer the batch file; print a JSON summary. Exit status 0 even when some lines failed."""
+    """Answer the batch file; print a JSON summary. Exit status 1 when any line failed (each has its error
+    record in the output), else 0."""
     from routing.base import RoutingError
     from serving.batch import BatchConfig, run_batch
     from serving.stack import build_stack, stack_config
@@ -200,4 +213,4 @@ def run_batch(args: argparse.Namespace) -> int:
     summary = run_batch(executor, stack.loaded.tokenizer, args.input, args.output, config,
                         progress=not args.no_progress)
     print(json.dumps({**summary.__dict__, "backend": backend}))
-    return 0
+    return 1 if summary.failed else 0

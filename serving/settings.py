@@ -99,6 +99,16 @@ class ServeSettings(BaseSettings):
                                      "into this folder (serving.engine.host_work.StepProfiler)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # HTTP server limits (serving.api.server): slow or idle clients must not hold sockets forever
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection's request headers must arrive within "
+                                    "this many seconds (of connecting or of the previous response); closed beyond")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this many seconds "
+                                  "of the headers (408 beyond)")
+    keep_alive_s: int = Field(5, ge=1, description="idle keep-alive connections are closed after this many seconds")
+    max_connections: int = Field(512, ge=1, description="open connections and requests at most; requests beyond "
+                                 "are answered 503 (uvicorn's limit_concurrency)")
+    max_header_bytes: int = Field(65536, ge=1024, description="request line and headers at most (h11's limit; "
+                                  "the connection is refused beyond)")
 
     def feddpa_options(self) -> FedDPAOptions:
         """The ``feddpa_*`` settings as the stack's :class:`~routing.feddpa_options.FedDPAOptions`."""

@@ -118,6 +118,8 @@ class Job:
             ``bench/serve_routing.py``). False keeps the global-only prefill (faster first token, but the
             first token then comes from the global adapter and can derail a short answer).
         key: the caller's identity for this job (returned untouched with its outcome).
+        cache_scope: the caller's tenant: of other tenants' prompts its prompts reuse the template only.
+        shared_prefix: the leading text of ``prompt`` that is the server's chat template (""; none).
     """
 
     target: str
@@ -127,6 +129,8 @@ class Job:
     mixture: tuple[tuple[str, float], ...] | None = None
     exact_prefill: bool = True
     key: Any = None
+    cache_scope: str = ""
+    shared_prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -161,12 +165,13 @@ def request_for(plan: TargetPlan, lease: Lease | None, job: Job, request_id: str
     extra: dict[str, Any] = {"request_id": request_id} if request_id is not None else {}
     if lease is not None and lease.route is not None:  # an AMoLE client: its route, no plain adapters
         return GenerationRequest(prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
-                                 route=lease.route, **extra)
+                                 route=lease.route, cache_scope=job.cache_scope, **extra)
     return GenerationRequest(
         prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
         adapter_names=lease.names if lease is not None else (), adapter_weights=plan.weights,
         weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights, state_pooling=plan.pooling,  # type: ignore[arg-type]
-        exact_prefill=job.exact_prefill and plan.weight_fn is not None, **extra)
+        exact_prefill=job.exact_prefill and plan.weight_fn is not None, cache_scope=job.cache_scope,
+        shared_prefix=job.shared_prefix if job.prompt is not None else "", **extra)
 
 
 @dataclass(eq=False)

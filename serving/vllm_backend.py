@@ -18,7 +18,6 @@ the missing piece. The backend is an executor for :func:`serving.batch.run_batch
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 from collections.abc import Iterable, Iterator
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adapters import read_adapter_config
 from adapters.export import export_mixture
 from serving.beam import plan_weights
 from serving.engine.request import GenerationResult
@@ -154,7 +154,7 @@ class LevelExporter:
                     export_mixture(self.stack.adapted, [(g, 1.0 - value), (loc, value)], folder)
             finally:
                 lease.release()
-            rank = int(json.loads((folder / "adapter_config.json").read_text())["r"])
+            rank = read_adapter_config(folder)[0].r
             self._done[(client, k)] = LevelAdapter(f"{client}@a={value:.2f}", folder, value, rank)
         return self._done[(client, k)]
 
@@ -203,7 +203,7 @@ class VLLMBackend:
 
         self.stack, self.chunk, self._vllm = stack, chunk, vllm
         self.levels = LevelExporter(stack, export_dir, levels)
-        ranks = [int(json.loads((i.path / "adapter_config.json").read_text())["r"]) for i in stack.pool.info()]
+        ranks = [read_adapter_config(i.path)[0].r for i in stack.pool.info()]
         rank = vllm_rank(2 * max(ranks, default=8))  # a level adapter holds global + local
         self.llm = vllm.LLM(model=resolve_model_path(stack.config.model), enable_lora=True, max_lora_rank=rank,
                             max_loras=max_loras, **llm_options)

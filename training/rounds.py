@@ -170,7 +170,10 @@ def _check_resumable(run: RunDir, config: Mapping[str, Any]) -> None:
 def _resume_point(plan: RunPlan, strategy: Strategy, transport: Transport) -> tuple[int, StateDict | None]:
     """(first round to run, restored server state or None) from the newest round that verifies."""
     run = plan.run
-    for leftover in durable.leftovers(run.root) + durable.leftovers(run.root / "rounds"):
+    clients = run.root / "adapters" / "clients"  # the export's folders are written beside their destination
+    folders = [run.root, run.root / "rounds", run.root / "adapters", run.amole, clients,
+               *(sorted(p for p in clients.iterdir() if p.is_dir()) if clients.is_dir() else [])]
+    for leftover in [stale for folder in folders for stale in durable.leftovers(folder)]:
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()  # an interrupted write's
     last = last_complete(run) if plan.resume else None
     if last is None:

@@ -23,6 +23,7 @@ from serving.access import KeyRing
 from serving.api import errors, openapi
 from serving.api.dependencies import ServerState
 from serving.api.routes import adapters, chat, completions, health, models, run_files
+from serving.api.server import hide_query_strings
 from serving.engine.host_work import StepProfiler
 from serving.feddpa_router import check_run_pooling
 from serving.settings import ServeSettings
@@ -119,10 +120,11 @@ async def in_own_thread(fn: Callable[..., None], *args: Any) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: answer 413 (error envelope) to bodies over ``limit`` bytes, declared or streamed."""
+    """ASGI middleware: answer 413 (error envelope) to bodies over ``limit`` bytes, declared or streamed,
+    and 408 to a body still incomplete ``timeout`` seconds after the request head."""
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, timeout: float | None = None) -> None:
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -133,8 +135,15 @@ class BodyLimit:
             await self._refuse(scope, receive, send)
             return
         chunks, total, more = [], 0, True
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), None if deadline is None else deadline - time.monotonic())
+            except TimeoutError:
+                response = errors.envelope(408, f"the request body did not arrive within {self.timeout} s",
+                                           "RequestTimeout", "request_timeout", headers={"Connection": "close"})
+                await response(scope, receive, send)
+                return
             if message["type"] != "http.request":
                 break
             chunks.append(message.get("body", b""))
@@ -184,6 +193,7 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        hide_query_strings()  # after the server configured its logging: keys in query strings never logged
         loading = asyncio.ensure_future(in_own_thread(_build_logged, state, router))
         try:
             yield
@@ -199,6 +209,6 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
     openapi.install(app, secured=not keys.open)
     for module in (health, models, chat, completions, adapters, run_files):
         app.include_router(module.router)
-    app.include_router(health.metrics_router(settings.protect_metrics))
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.include_router(health.metrics_router(settings.protect_metrics, keyed=not keys.open))
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout=settings.body_timeout_s)
     return app

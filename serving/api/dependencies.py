@@ -111,7 +111,19 @@ def require_admin(request: Request, caller: Annotated[Principal, Depends(get_cal
     return caller
 
 
+def require_admin_key(caller: Annotated[Principal, Depends(get_caller)]) -> Principal:
+    """A caller holding an admin key, whatever else is configured (no single-operator fallback).
+
+    Raises:
+        HTTPException: 401 without a valid key, 403 for any other key.
+    """
+    if not caller.admin:
+        raise HTTPException(403, "this operation needs an admin key")
+    return caller
+
+
 # Handlers declare ``state: State`` and ``caller: Caller`` (FastAPI's Annotated dependency style).
 State = Annotated[ServerState, Depends(get_state)]
 Caller = Annotated[Principal, Depends(get_caller)]
 Admin = Annotated[Principal, Depends(require_admin)]
+AdminKey = Annotated[Principal, Depends(require_admin_key)]

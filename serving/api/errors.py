@@ -3,12 +3,15 @@
 The mapping of errors to a status and an envelope is :mod:`serving.openai.errors` (shared with the
 batch runner); here it is installed on the app. Bad input is always a 4xx: FastAPI's request
 validation errors become 400 (not its default 422), and an unexpected exception is the only source of
-a 500.
+a 500. No error closes a keep-alive connection: Starlette's outermost handler re-raises after
+answering, and uvicorn closes the connection of any request whose app raised, so :class:`CatchAll`
+answers the 500 itself and the exception ends there.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +54,37 @@ def _domain(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+class CatchAll:
+    """ASGI middleware: an unexpected exception is logged and answered 500 (the envelope), not re-raised.
+
+    Only a response already started (a stream failing mid-way) re-raises: ending it needs the
+    connection closed.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error", exc_info=exc)
+            status, body = error_payload(exc)
+            await JSONResponse(body, status_code=status)(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
     """Register every handler on ``app``."""
     app.add_exception_handler(RequestValidationError, _validation)  # type: ignore[arg-type]
@@ -59,3 +93,4 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(AdapterError, _domain)
     app.add_exception_handler(ValueError, _domain)
     app.add_exception_handler(Exception, _domain)
+    app.add_middleware(CatchAll)

@@ -17,14 +17,15 @@ from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
 
 from serving.access import Principal
 from serving.api.dependencies import ServerState
 from serving.engine.request import GenerationResult
-from serving.errors import ModelNotFound
+from serving.errors import InvalidRequest, ModelNotFound
 from serving.openai.builders import Choice, Limits
 from serving.openai.errors import error_payload
-from serving.openai.protocol import SamplingFields
+from serving.openai.protocol import ChatCompletionRequest, SamplingFields
 from serving.openai.responses import Answer, usage
 from serving.stack import Job, ServingStack, Submitted
 
@@ -89,15 +90,24 @@ def submit_all(stack: ServingStack, jobs: Sequence[Job]) -> list[Submitted]:
     return done
 
 
-async def start(state: ServerState, body: SamplingFields, choices: Sequence[Choice], prefix: str) -> Started:
-    """Resolve the target, lease its adapter versions and submit every choice (access checked before)."""
+async def start(state: ServerState, body: SamplingFields, choices: Sequence[Choice], prefix: str,
+                caller: Principal) -> Started:
+    """Resolve the target, lease its adapter versions and submit every choice (access checked before).
+
+    The choices run in ``caller``'s tenant: their prompts reuse only prefixes of that tenant's prompts.
+    """
     assert state.stack is not None
     mixture = tuple(body.mixture() or ()) or None
     exact = state.settings.feddpa_prefill == "exact"
     jobs = [Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids, mixture=mixture,
-                exact_prefill=exact) for c in choices]
+                exact_prefill=exact, cache_scope=caller.tenant, shared_prefix=c.shared_prefix) for c in choices]
     # leasing may reload an evicted adapter from disk: off the event loop
-    submitted = await run_in_threadpool(submit_all, state.stack, jobs)
+    try:
+        submitted = await run_in_threadpool(submit_all, state.stack, jobs)
+    except InvalidRequest as exc:
+        if exc.param == "prompt" and isinstance(body, ChatCompletionRequest):
+            exc.param = "messages"  # the engine's prompt is the chat's templated messages
+        raise
     return Started(tuple(choices), tuple(submitted), f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                    time.perf_counter())
 
@@ -119,16 +129,40 @@ def _answer(started: Started, i: int, result: GenerationResult) -> Answer:
     return Answer(started.choices[i], started.submitted[i].plan, result)
 
 
+async def disconnected(receive: Receive) -> None:
+    """Return once the client has gone away (the ASGI ``http.disconnect`` message).
+
+    The request body was read already: the next message is the disconnect, which the server sends
+    when the client closes the connection (or after the response went out).
+    """
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def respond(state: ServerState, started: Started, shape: Shape, stream: bool,
-                  include_usage: bool = False) -> Response:
-    """The JSON response once every choice finished, or the SSE stream."""
+                  include_usage: bool = False, receive: Receive | None = None) -> Response:
+    """The JSON response once every choice finished, or the SSE stream.
+
+    Args:
+        receive: the request's ASGI receive channel: when the client goes away before every choice
+            finished, every choice is cancelled (its engine row freed at the next step) and nothing is
+            answered, as the stream does.
+    """
     if stream:
         return sse(state, started, shape, include_usage)
+    results = asyncio.ensure_future(asyncio.gather(*(sub.handle.aresult() for sub in started.submitted)))
+    gone = asyncio.ensure_future(disconnected(receive)) if receive is not None else None
     try:
-        results = await asyncio.gather(*(sub.handle.aresult() for sub in started.submitted))
+        await asyncio.wait([t for t in (results, gone) if t is not None], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        if gone is not None:
+            gone.cancel()
         started.cancel()  # the client went away (or a choice failed): free the engine rows
-    answers = [_answer(started, i, r) for i, r in enumerate(results)]
+        if not results.done():
+            results.cancel()
+    if not results.done() or results.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    answers = [_answer(started, i, r) for i, r in enumerate(results.result())]
     for a in answers:
         record(state, started, a, shape.endpoint)
     return JSONResponse(shape.body(answers))

@@ -75,7 +75,7 @@ class Lifecycle:
         if len(ids) >= self.config.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens; this server allows {self.config.max_model_len} "
-                "tokens of prompt plus completion", param="messages")
+                "tokens of prompt plus completion", param="prompt")
         loaded = set(getattr(self.adapted, "configs", {}) or {})
         missing = [n for n in request.adapter_names if n not in loaded]
         if missing:
@@ -94,6 +94,11 @@ class Lifecycle:
                        weights=tuple(request.adapter_weights), amole=route)
         if route is not None:
             seq.info = route.info()
+        if request.shared_prefix and request.prompt_ids is None and (request.prompt or "").startswith(
+                request.shared_prefix):
+            shared = self._encode(request.shared_prefix)
+            seq.public = next((i for i, (a, b) in enumerate(zip(shared, ids, strict=False)) if a != b),
+                              min(len(shared), len(ids)))
         return seq
 
     def begin_prefill(self, seq: Sequence) -> None:
@@ -123,7 +128,7 @@ class Lifecycle:
         req = seq.handle.request
         pooled = seq.phase == "route" and req.state_pooling != "last"
         if seq.slot is not None and req.sampling.prompt_logprobs is None and not pooled:
-            seq.filled = self.prefixes.reuse(seq.adapters, seq.ids, seq.slot)
+            seq.filled = self.prefixes.reuse(seq.adapters, seq.ids, seq.slot, req.cache_scope, seq.public)
         seq.begun = seq.filled
 
     def prefilled(self, seq: Sequence, out: RowOut) -> bool:
@@ -144,7 +149,7 @@ class Lifecycle:
             return False
         if seq.slot is not None:  # a routed request's fill pass is its exact pass, at weights routed for its prompt
             own = req.weight_fn is not None and seq.phase == "fill"
-            self.prefixes.remember(seq.adapters, seq.ids, seq.slot, own=own)
+            self.prefixes.remember(seq.adapters, seq.ids, seq.slot, own=own, scope=req.cache_scope, public=seq.public)
         if seq.phase == "route":
             assert req.weight_fn is not None and out.state is not None
             state = out.state if req.state_pooling == "last" else seq.state_sum / len(seq.ids)  # type: ignore[operator]

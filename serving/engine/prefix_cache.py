@@ -16,6 +16,16 @@ never pushes out another key's spare: it takes a free spare or one held by anoth
 spares go first. (A burst of eight clients' exact passes would otherwise push out the global adapter's
 system prompt before any routing pass reused it, burst after burst.)
 
+Every entry belongs to the scope of the request that left it (the caller's tenant,
+:attr:`serving.access.Principal.tenant`; one scope on a server without keys). A prompt reuses all it
+shares with an entry of its own scope, but of another scope's entry only the *public* prefix: the
+leading tokens of the server's chat template, before the first message's content, that both prompts
+have (``GenerationRequest.shared_prefix``; none for raw completions). So how much of a prompt is reused
+(what ``/metrics`` counts, and what makes a prompt pass faster) says nothing about another tenant's
+text, while every tenant's FedDPA routing passes and ``global`` requests still share the template and
+default system prompt under ``global``. Only same-scope prompts replace one another; the slots are
+shared, so a tenant's prompt may evict another's (that tells activity, never text).
+
 Keys are the engine-internal adapter names (``<name>@<version>``, so a reloaded adapter never
 matches), the weights, and the identity of each adapter's tensors (an adapter changed in place does
 not match either), leaving out adapters at weight 0: they contribute nothing to any layer's output. The
@@ -41,6 +51,8 @@ class _Entry:
     used: int
     hits: int = 0  # reuses of this spare's prefix (kept when a prompt sharing it replaces the prompt)
     own: bool = False  # weights routed for this prompt: only the same prompt can match it
+    scope: str = ""  # the tenant whose prompt this is
+    public: int = 0  # its leading tokens of server template text: other scopes may reuse that much
 
 
 class PrefixCache:
@@ -66,30 +78,37 @@ class PrefixCache:
         return tuple((n, w, self.fingerprint(n)) for n, w in zip(adapters.names, adapters.weights, strict=True)
                      if w != 0)
 
-    def _longest(self, key: Key, ids: Sequence[int]) -> tuple[int, int]:
-        """(spare slot, shared length) of the entry sharing the longest prefix with ``ids``; (-1, 0) if none."""
+    def _longest(self, key: Key, ids: Sequence[int], scope: str, public: int | None = None) -> tuple[int, int]:
+        """(spare slot, reusable length) of the entry sharing the longest prefix with ``ids``; (-1, 0) if none.
+
+        ``public`` None: entries of ``scope`` only; else another scope's entry counts for at most the
+        public prefix of both prompts.
+        """
         best = (-1, 0)
         for slot, entry in self._entries.items():
-            if entry.key != key:
+            if entry.key != key or (public is None and entry.scope != scope):
                 continue
             n = 0
             for a, b in zip(entry.tokens, ids, strict=False):
                 if a != b:
                     break
                 n += 1
+            if entry.scope != scope:
+                n = min(n, public or 0, entry.public)
             if n > best[1]:
                 best = (slot, n)
         return best
 
-    def reuse(self, adapters: RowAdapters, ids: Sequence[int], slot: int) -> int:
+    def reuse(self, adapters: RowAdapters, ids: Sequence[int], slot: int, scope: str = "", public: int = 0) -> int:
         """Copy the longest cached prefix of ``ids`` under ``adapters`` into ``slot``; returns its length.
 
-        At most ``len(ids) - 1`` positions: the last prompt token is always computed.
+        At most ``len(ids) - 1`` positions: the last prompt token is always computed. A prefix another
+        ``scope`` (tenant) left counts for its ``public`` leading tokens (the server's template) only.
         """
         key = self.key(adapters)
         if key is None or not self._entries:
             return 0
-        spare, n = self._longest(key, ids)
+        spare, n = self._longest(key, ids, scope, public)
         n = min(n, len(ids) - 1)
         if n <= 0:
             return 0
@@ -101,17 +120,20 @@ class PrefixCache:
         self.reused_tokens += n
         return n
 
-    def remember(self, adapters: RowAdapters, ids: Sequence[int], slot: int, own: bool = False) -> None:
+    def remember(self, adapters: RowAdapters, ids: Sequence[int], slot: int, own: bool = False,
+                 scope: str = "", public: int = 0) -> None:
         """Keep the prompt ``ids`` that ``slot`` holds under ``adapters`` (unless a spare already does).
 
         Args:
             own: the weights were routed for this prompt (an exact pass): keep it only in a free spare
                 or in place of another such prompt, never evicting a prefix other prompts may share.
+            scope: the tenant whose later prompts may reuse all of it (it replaces only that tenant's).
+            public: its leading tokens of server template text, which other tenants may reuse.
         """
         key = self.key(adapters)
         if key is None or not self.kv.spare_slots:
             return
-        spare, shared = self._longest(key, ids)
+        spare, shared = self._longest(key, ids, scope)
         if shared >= len(ids):
             return
         hits = 0
@@ -126,7 +148,7 @@ class PrefixCache:
             hits = self._entries[spare].hits  # prompts after one system prompt keep one spare, not all of them
         self._copy(slot, spare, len(ids))
         self._tick += 1
-        self._entries[spare] = _Entry(key, tuple(ids), self._tick, hits, own)
+        self._entries[spare] = _Entry(key, tuple(ids), self._tick, hits, own, scope, public)
 
     def clear(self) -> None:
         """Forget every entry (the cache was reset)."""

@@ -57,6 +57,10 @@ class GenerationRequest:
             token is routed over that client's experts; no plain adapters and no ``weight_fn`` then.
         state_pooling: the state ``weight_fn`` gets: the last prompt token's (``last``) or the mean of
             the final-layer states over the prompt's tokens (``mean``, paper 000 Table 10).
+        cache_scope: the prefix-cache partition (the caller's tenant): the prompt reuses all it shares
+            with prompts of the same scope, of others' only ``shared_prefix`` (:mod:`serving.engine.prefix_cache`).
+        shared_prefix: the leading text of ``prompt`` that is the server's chat template, before the first
+            message's content (the same for every tenant); "" for raw prompts.
     """
 
     prompt: str | None = None
@@ -70,6 +74,8 @@ class GenerationRequest:
     exact_prefill: bool = False
     route: AMoLEClientRoute | None = field(default=None, compare=False)
     state_pooling: Literal["last", "mean"] = "last"
+    cache_scope: str = field(default="", repr=False)
+    shared_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.state_pooling not in ("last", "mean"):

@@ -55,6 +55,7 @@ class Sequence:
     state_sum: torch.Tensor | None = None  # (H,) final-layer states summed over the routed prompt so far
     submitted: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None  # seconds from submission to the first generated token
+    public: int = 0  # leading prompt tokens of server template text (other tenants' cached KV may serve them)
 
     @property
     def request_id(self) -> str:

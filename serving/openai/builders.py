@@ -47,6 +47,8 @@ class Choice:
         prompt_ids: prompt token ids.
         sampling: its decoding parameters (its own seed).
         echo: text put before the completion (completions' ``echo``), else "".
+        shared_prefix: the leading text of ``prompt`` that is the chat template's own (before the first
+            message's content): the same for every caller, so other tenants' cached KV may serve it.
     """
 
     index: int
@@ -55,6 +57,7 @@ class Choice:
     prompt_ids: tuple[int, ...] | None
     sampling: SamplingParams
     echo: str = ""
+    shared_prefix: str = ""
 
 
 def chat_prompt(tokenizer: object, body: ChatCompletionRequest) -> str:
@@ -69,6 +72,25 @@ def chat_prompt(tokenizer: object, body: ChatCompletionRequest) -> str:
             messages, tokenize=False, add_generation_prompt=True))
     except Exception as exc:  # templates raise on unsupported role orders
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+
+def template_prefix(tokenizer: object, body: ChatCompletionRequest, prompt: str) -> str:
+    """The leading text of the chat ``prompt`` the template writes before the first message's content.
+
+    It is the server's text (the template's markup, a default system prompt), not the caller's: the
+    messages are rendered again with a marker for the first content, and the text before the marker
+    counts when ``prompt`` starts with it ("" otherwise).
+    """
+    marker = "\x00fedmosaic-content\x00"
+    messages = [m.template_dict() for m in body.messages]
+    messages[0] = {**messages[0], "content": marker}
+    try:
+        probe = str(tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            messages, tokenize=False, add_generation_prompt=True))
+    except Exception:  # noqa: BLE001 - a template refusing the marker: nothing is shared
+        return ""
+    head = probe.split(marker, 1)[0] if marker in probe else ""
+    return head if prompt.startswith(head) else ""
 
 
 def encode(tokenizer: object, text: str) -> tuple[int, ...]:
@@ -162,8 +184,10 @@ def choices(body: SamplingFields, tokenizer: object, limits: Limits) -> list[Cho
     """
     n = body.n or 1
     prompts: list[str | list[int]]
+    shared = ""
     if isinstance(body, ChatCompletionRequest):
         prompts = [chat_prompt(tokenizer, body)]
+        shared = template_prefix(tokenizer, body, prompts[0])
     elif isinstance(body, CompletionRequest):
         prompts = body.prompts()
     else:
@@ -181,7 +205,7 @@ def choices(body: SamplingFields, tokenizer: object, limits: Limits) -> list[Cho
         shown = "" if not echo else text if text is not None else decode(tokenizer, ids or ())
         for j in range(n):
             sampling = first if j == 0 else sampling_params(body, limits, child_seed(body.seed, j))
-            out.append(Choice(p * n + j, p, text if ids is None else None, ids, sampling, shown))
+            out.append(Choice(p * n + j, p, text if ids is None else None, ids, sampling, shown, shared))
     return out
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from serving.errors import AdapterLoadFailed, PathNotAllowed
 
-__all__ = ["check_adapter_name", "path_problem", "resolve_adapter_path", "shown_path"]
+__all__ = ["check_adapter_name", "check_folder_files", "path_problem", "resolve_adapter_path", "shown_path"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
 
@@ -79,3 +79,24 @@ def resolve_adapter_path(path: str | Path, root: Path | None) -> Path:
     except OSError as exc:
         raise AdapterLoadFailed(f"adapter path {shown} {path_problem(exc)}") from exc
     return resolved
+
+
+def check_folder_files(folder: Path, root: Path | None) -> None:
+    """Check that every file of an adapter folder resolves inside ``root``, as the folder does.
+
+    The folder's own path is checked by :func:`resolve_adapter_path`; a file in it may still be a
+    symlink to anywhere on disk, and is read when the adapter loads (or reloads after an eviction).
+
+    Raises:
+        PathNotAllowed: a file or subfolder of ``folder`` resolves outside the root.
+        AdapterLoadFailed: the folder cannot be listed or an entry cannot be resolved.
+    """
+    if root is None or not folder.is_dir():  # a missing folder: the loader says so
+        return
+    try:
+        for child in folder.iterdir():
+            if not child.resolve().is_relative_to(root):
+                raise PathNotAllowed(f"{shown_path(child.name)} in adapter folder {shown_path(folder.name)} "
+                                     f"resolves outside the adapter root {root}")
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise AdapterLoadFailed(f"adapter folder {shown_path(folder.name)} {path_problem(exc)}") from exc

@@ -42,7 +42,7 @@ from serving.engine.amole import AMoLEBundle, AMoLEClientRoute
 from serving.engine.model_lock import ModelLock
 from serving.errors import AdapterLoadFailed, AdapterNotFound, AdapterPinned, InvalidRequest, NoFreeSlot
 from serving.pool.amole import AMoLERegistry, amole_folder, client_names, load_bundle, unload_bundle
-from serving.pool.paths import check_adapter_name, resolve_adapter_path
+from serving.pool.paths import check_adapter_name, check_folder_files, resolve_adapter_path
 from serving.pool.run import RunInfo, register_run
 from serving.pool.views import AdapterInfo, AdapterTable, Entry
 
@@ -192,6 +192,7 @@ class AdapterPool:
         """
         check_adapter_name(name)
         folder = self.resolve(path)
+        check_folder_files(folder, self.root)
         missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
         if missing:
             raise AdapterLoadFailed(f"adapter folder {path} has no {' or '.join(missing)}")
@@ -322,6 +323,7 @@ class AdapterPool:
             self._evict(exclude)
         version = self.table.versions.get(entry.name, 0) + 1
         internal = f"{entry.name.replace('.', '%')}@{version}"  # layer names may not contain dots
+        check_folder_files(entry.path, self.root)  # at every (re)load: the files are read now
         try:
             if entry.kind == "amole":
                 self.amole.add(load_bundle(self.adapted, entry.path, entry.name, internal, self.check_base))

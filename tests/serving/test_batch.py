@@ -201,3 +201,36 @@ def test_a_line_with_several_choices_and_logprobs_matches_http(stack: ServingSta
     assert [c["text"] for c in http["choices"]] == [c["text"] for c in got["choices"]]
     assert [c["logprobs"]["tokens"] for c in http["choices"]] == [c["logprobs"]["tokens"] for c in got["choices"]]
     assert http["usage"] == got["usage"]
+
+
+def test_bad_bytes_and_deep_nesting_cost_one_line_each(run_dir: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44 item 4: the file is decoded line by line; a bad line is its own error record, never the file's."""
+    src = tmp_path / "in.jsonl"
+    good = line("good-1", {**CHAT, "model": "tiny"}).encode()
+    src.write_bytes(b"\n".join([
+        good,
+        b'{"custom_id": "latin-1", "body": {"model": "tiny", "prompt": "caf\xe9"}}',  # not UTF-8: that line only
+        b"[" * 50_000 + b"]" * 50_000,  # a RecursionError in the JSON parser before
+        line("deep", {**CHAT, "metadata": {"a": json.loads("[" * 40 + "]" * 40)}}).encode(),
+        b"{not json",
+        line("no-model", {**CHAT, "model": "nope"}).encode(),
+        # raw U+2028 inside a JSON string: no line end for JSONL
+        json.dumps({"model": "tiny", "prompt": "caf\u00e9 \u2028 ok", "max_tokens": 2}, ensure_ascii=False).encode(),
+        line("good-2", {**CHAT, "model": "1"}).encode(),
+    ]) + b"\n")
+    out = tmp_path / "out.jsonl"
+    code = main(["batch", "-i", str(src), "-o", str(out), str(run_dir), "--model", "tiny", "--backend", "torch",
+                 "--no-progress", "--feddpa-routing", "fixed"])
+    rows = read(out)
+    assert [r["custom_id"] for r in rows] == ["good-1", "line-2", "line-3", "line-4", "line-5", "no-model", "line-7",
+                                              "good-2"]
+    assert [r["response"]["status_code"] for r in rows] == [200, 400, 400, 400, 400, 404, 200, 200]
+    assert "not UTF-8" in rows[1]["error"]["message"]
+    assert "deeper than" in rows[2]["error"]["message"] and "deeper than" in rows[3]["error"]["message"]
+    for r in rows[1:6]:  # the OpenAI batch error format: the envelope as the body, its error object beside it
+        assert r["response"]["body"] == {"error": r["error"]}
+        assert set(r["error"]) == {"message", "type", "param", "code"}
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["succeeded"], summary["failed"]) == (3, 5)
+    assert code == 1  # the exit status says some lines failed

@@ -12,10 +12,10 @@ from fastapi.testclient import TestClient
 
 from models import tiny_llama
 from serving.api import create_app
-from serving.api.app import stack_config
 from serving.engine import Engine, EngineConfig
 from serving.engine.sizing import MIN_CONTEXT, free_bytes, kv_bytes_per_position, plan_slots
 from serving.settings import ServeSettings
+from serving.stack import stack_config
 from tests.serving.test_api_faults import wait_ready
 
 SMOLLM2 = kv_bytes_per_position(30, 3, 64, torch.bfloat16)  # 30 layers, 3 kv heads of 64, bf16

@@ -41,7 +41,10 @@ async def load_lora_adapter(caller: Admin, body: LoadLoraAdapterRequest, state: 
              responses={**text(), **errors(400, 401, 403, 404, 409, 413, 503)})
 async def unload_lora_adapter(caller: Admin, body: UnloadLoraAdapterRequest,
                               state: State) -> PlainTextResponse:
-    """Unload an adapter (a pinned one only with ``force``); requests already using it finish with it."""
+    """Unload an adapter (a pinned one only with ``force`` and an admin key); requests using it finish with it."""
     stack = _stack(state)
+    # on a server with keys, tenants all need `global` and the pinned adapters: only an admin key removes them
+    if not caller.admin and not state.keys.open and adapter_admin.needs_admin_key(stack, body.lora_name):
+        raise HTTPException(403, "unloading global or a pinned adapter needs an admin key")
     await run_in_threadpool(adapter_admin.unload, stack, body.lora_name, body.force)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -18,14 +18,14 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None,
              responses={**json_or_sse(), **errors(400, 401, 404, 413, 429, 500, 503, 504)})
-async def chat_completions(caller: Caller, body: ChatCompletionRequest, state: State) -> Response:
+async def chat_completions(request: Request, caller: Caller, body: ChatCompletionRequest, state: State) -> Response:
     """OpenAI chat completions over the base model, an adapter, a FedDPA client or a mixture."""
     assert state.engine is not None
     service.check_access(state, caller, body)
     # templating and tokenizing a long prompt takes a while: off the event loop
     choices = await run_in_threadpool(builders.choices, body, state.engine.tokenizer, service.limits(state))
-    started = await service.start(state, body, choices, "chatcmpl")
+    started = await service.start(state, body, choices, "chatcmpl", caller)
     k = (body.top_logprobs or 0) if body.logprobs else None
     shape = ChatShape(state.engine.tokenizer, service.head(started, body.model), service.details(state, caller), k)
     include = bool(body.stream_options and body.stream_options.include_usage)
-    return await service.respond(state, started, shape, bool(body.stream), include)
+    return await service.respond(state, started, shape, bool(body.stream), include, request.receive)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from serving.api.dependencies import Admin, ServerState
+from serving.api.dependencies import Admin, AdminKey, ServerState
 from serving.api.errors import envelope
 from serving.api.openapi import errors, text
 
@@ -34,11 +34,22 @@ def _render(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def metrics_router(protected: bool) -> APIRouter:
-    """``GET /metrics``: Prometheus exposition text; with ``protected`` it needs an admin key."""
+def metrics_router(protected: bool, keyed: bool = False) -> APIRouter:
+    """``GET /metrics``: Prometheus exposition text.
+
+    Args:
+        protected: it needs an admin key (on a server without admin keys: any unbound key).
+        keyed: keys are configured: it needs an admin key, always. Its counters are totals over every
+            tenant (prompt-prefix reuse included), which tenants must not read between their requests.
+    """
     metrics = APIRouter()
     content = text(CONTENT_TYPE_LATEST.split(";")[0], f"Prometheus exposition text ({CONTENT_TYPE_LATEST})")
-    if protected:
+    if keyed:
+        @metrics.get("/metrics", response_model=None, responses={**content, **errors(401, 403)})
+        def admin_metrics(request: Request, caller: AdminKey) -> Response:
+            """Prometheus exposition of the server's metrics (admin keys only on a server with keys)."""
+            return _render(request)
+    elif protected:
         @metrics.get("/metrics", response_model=None, responses={**content, **errors(401, 403)})
         def protected_metrics(request: Request, caller: Admin) -> Response:
             """Prometheus exposition of the server's metrics (admin keys only on this server)."""
