@@ -84,8 +84,10 @@ def method_settings(method: str, preset_name: str = "paper", rounds: int | None 
         preset_name: ``paper``, ``medium``, ``repro``, ``small`` or ``tiny``.
         rounds: communication rounds (None: the regime's, scaled by the budget).
         options: method options over its defaults.
-        data: the data spec (a paper's per-data-set defaults: FedDPA-T's alpha 0.3 on ``feddpa2``).
-        n_clients: the number of clients (defaults that scale with it: FedAMoLE's expert count).
+        data: the data spec (a paper's per-data-set defaults: FedDPA-T's alpha 0.3 on ``feddpa2``); None
+            leaves such options out, for :func:`training.simulation.run_federated` to set.
+        n_clients: the number of clients (defaults that scale with it: FedAMoLE's expert count); None
+            leaves them out likewise.
         examples: training examples per client, for the budget arithmetic (None: 300, FedDPA's; the
             Centralized baseline pools 8 clients' worth).
         **overrides: :class:`training.runtime.TrainConfig` fields (None values are ignored); ``lr_decay``
@@ -102,7 +104,13 @@ def method_settings(method: str, preset_name: str = "paper", rounds: int | None 
     train = preset(preset_name, m.regime, **overrides)
     if clip is not None:
         train = replace(train, max_grad_norm=clip if clip > 0 else None)
-    opts = {**scaled_options(m.regime, preset_name, m.options_for(data, n_clients=n_clients)), **(options or {})}
+    opts = scaled_options(m.regime, preset_name, m.options_for(data, n_clients=n_clients))
+    # Defaults that depend on what is not known here are left to run_federated, which knows the data set
+    # and its clients: passing the generic value on would override FedDPA-T's alpha 0.3 on feddpa2 or
+    # FedAMoLE's expert count for the clients.
+    unknown = [k for d in m.data_defaults.values() for k in d] if data is None else []
+    unknown += list(m.client_defaults(1)) if n_clients is None and m.client_defaults else []
+    opts = {**{k: v for k, v in opts.items() if k not in unknown}, **(options or {})}
     n = rounds if rounds is not None else budget(preset_name).rounds(m.regime)
     per_client = examples or NOMINAL_EXAMPLES * (8 if m.centralized else 1)
     return MethodSettings(m.name, preset_name, train, n, opts, m.regime.asdict(),

@@ -193,6 +193,8 @@ def test_feddpa2_sets_the_papers_alpha(capsys: pytest.CaptureFixture[str]) -> No
     assert method_settings("feddpa-t", data="feddpa2", options={"alpha": 0.7}).options["alpha"] == 0.7
     m = ALGORITHMS["feddpa-t"]
     assert m.mixture_weight(m.options_for("feddpa2")) == 0.3  # the served lambda follows
+    # without the data set, alpha is left for run_federated to set (a generic 0.5 would override it)
+    assert "alpha" not in method_settings("feddpa-t").options
 
 
 def test_fedamole_experts_scale_with_the_clients(capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,6 +203,7 @@ def test_fedamole_experts_scale_with_the_clients(capsys: pytest.CaptureFixture[s
     cfg = json.loads(capsys.readouterr().out)
     assert cfg["options"]["num_experts"] == 24 and cfg["options"]["export"] == "local"
     assert method_settings("fedamole", n_clients=10).options["num_experts"] == 30
+    assert "num_experts" not in method_settings("fedamole").options  # run_federated sets it for its clients
 
 
 def test_max_grad_norm_clips_each_step() -> None:
