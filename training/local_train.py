@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from training.data import Example, collate
+from training.regime import run_steps, schedule_factor
 from training.runtime import PRESETS, Runtime, TrainConfig, preset
 
 # TrainConfig and its presets live with the runtime (which owns the adapters' LoRA config); they are
@@ -112,16 +113,12 @@ def train_adapters(
         raise ValueError("cannot train on zero examples")
     torch.manual_seed(seed)  # dropout masks: the default generator of the model's device (CUDA's is seeded too)
     gen = torch.Generator(device="cpu").manual_seed(seed)  # the shuffle: the same order on every device
-    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
-    total = steps_per_epoch * cfg.local_epochs if cfg.max_steps is None else cfg.max_steps
+    total = run_steps(len(examples), cfg.batch_size, cfg.local_epochs, cfg.max_steps)
     adapted = runtime.adapted
     adapted.set_trainable(trainable)
     params = adapted.parameters_of(trainable) + list(extra_params)
     opt = _optimizer(runtime, params, cfg.round_lr(round_idx))
-    if cfg.schedule == "linear":
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
-    else:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule_factor(cfg.schedule, s, total))
     pad, device = runtime.tokenizer.pad_token_id, runtime.device
     if len(weights) != len(names) or not all(math.isfinite(float(x)) for x in weights):
         raise ValueError(f"weights must be {len(names)} finite numbers for adapters {tuple(names)}, got {weights}")
