@@ -42,6 +42,7 @@ from adapters.amole import load_balance_loss
 from adapters.amole_layer import SHARED, add_amole_experts, expert_name
 from adapters.amole_routing import AMoLERouting
 from training.data import collate
+from training.lm_forward import lm_forward
 from training.local_train import LossFn, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
 from training.regime import Regime
@@ -244,7 +245,8 @@ def amole_loss(cfg: AMoLEConfig, assignment: Mapping[str, list[int]]) -> LossFn:
         routing = AMoLERouting(groups=(dict(assignment),), row_group=rows, top_k=cfg.top_k,
                                shared=cfg.shared_expert, router=cfg.router)
         with rt.adapted.context.route_tokens(routing):
-            out = rt.model(**batch)
+            out = lm_forward(rt.model, batch)
+        assert out.loss is not None
         tokens = batch["attention_mask"].reshape(-1).bool()  # gates are (B*T, E), row-major
         lb = torch.stack([load_balance_loss(g, idx, tokens) for _, g, idx in routing.stats]).sum()
         return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
