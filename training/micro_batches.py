@@ -72,6 +72,15 @@ def plan_groups(lengths: Sequence[int], max_rows: int, groups: int | None, forwa
     return out
 
 
+def forward_cost(device: torch.device) -> int | None:
+    """A forward's fixed cost on ``device`` in padded tokens, or None: keep the plain split's number of forwards.
+
+    The plan, and so where LoRA dropout's masks fall, depends on the device kind: a run on a GPU draws
+    other masks than the CPU's anyway (another generator).
+    """
+    return CPU_FORWARD_TOKENS if device.type == "cpu" else None
+
+
 def _targets(example: Example) -> int:
     """Labelled tokens the shifted loss counts: labels from position 1 on (position 0 predicts nothing)."""
     return sum(1 for label in example.labels[1:] if label != IGNORE)
@@ -96,9 +105,9 @@ def step_batches(examples: Sequence[Example], micro_batch_size: int, pad_id: int
     n = len(examples)
     plain = [list(range(s, min(n, s + micro_batch_size))) for s in range(0, n, micro_batch_size)]
     if by_length and n > 1:
-        free = device.type == "cpu" and more_forwards
+        cost = forward_cost(device) if more_forwards else None
         groups = plan_groups([len(e.input_ids) for e in examples], micro_batch_size,
-                             None if free else len(plain), CPU_FORWARD_TOKENS if free else 0)
+                             len(plain) if cost is None else None, cost or 0)
     else:
         groups = plain
     if {frozenset(g) for g in groups} == {frozenset(m) for m in plain}:

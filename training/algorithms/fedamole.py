@@ -304,7 +304,7 @@ class FedAMoLEClient(ClientAlgorithm):
                                    top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe,
                                    router=self.cfg.router)
             with torch.inference_mode(), rt.adapted.context.route_tokens(routing):
-                rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                lm_forward(rt.model, batch, with_loss=False)  # the adapted layers observe; no head needed
         # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
         noise_seed = derive_seed(ctx.seed, "embed-noise", round_idx, ctx.client_id)
         gen, rng = torch.Generator(device="cpu").manual_seed(noise_seed), np.random.default_rng(noise_seed)
