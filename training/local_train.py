@@ -4,7 +4,9 @@ The settings are the method's regime (:mod:`training.regime`) under the run's bu
 local run (FedDPA: AdamW, lr 3e-4, linear decay, no warm-up, as the reference's HF Trainer, METHODS.md 2.3;
 FedAMoLE: Adam, constant inside the run, lr decayed x0.99 per round), ``local_epochs`` passes (or
 ``max_steps``), ``batch_size`` per step built from ``micro_batch_size`` forwards with gradient accumulation,
-loss only on response tokens. A loss with a term over the whole logical batch (FedOA's feature distance,
+loss only on response tokens (the LM head runs on those positions alone, :mod:`training.lm_forward`). A
+loss marked :func:`length_grouped` runs each step as length-grouped forwards that keep every token's weight
+(:mod:`training.micro_batches`). A loss with a term over the whole logical batch (FedOA's feature distance,
 FedMCP's CKA) implements :class:`BatchLoss`: it sees every micro-batch of a step before the first one is
 differentiated, so its value and gradients do not depend on ``micro_batch_size``. Every random
 choice (shuffling, dropout) comes from the given seed, so a run resumed from a checkpoint repeats the
@@ -22,13 +24,16 @@ from typing import Protocol, runtime_checkable
 import torch
 from tqdm.auto import tqdm
 
-from training.data import Example, collate
+from training.data import Example
+from training.lm_forward import lm_forward
+from training.micro_batches import step_batches
 from training.regime import run_steps, schedule_factor
 from training.runtime import PRESETS, Runtime, TrainConfig, preset
 
 # TrainConfig and its presets live with the runtime (which owns the adapters' LoRA config); they are
 # re-exported here because this is where a method author looks for the training settings.
-__all__ = ["PRESETS", "BatchLoss", "LossFn", "TrainConfig", "TrainResult", "lm_loss", "preset", "train_adapters"]
+__all__ = ["PRESETS", "BatchLoss", "LossFn", "TrainConfig", "TrainResult", "length_grouped", "lm_loss", "preset",
+           "train_adapters"]
 
 # (runtime, batch, names, weights (B, K)) -> (loss, extra scalar metrics); the default is the LM loss.
 LossFn = Callable[
@@ -65,20 +70,37 @@ class TrainResult:
         return {"loss": self.loss, "steps": float(self.steps), **self.extra}
 
 
+def length_grouped(loss_fn: LossFn) -> LossFn:
+    """Mark ``loss_fn`` as one whose step loss is the same for any grouping of the step's examples.
+
+    Its LM terms go through :func:`training.lm_forward.lm_forward` (which reads a batch's ``loss_weight``)
+    and its other terms are per-step (a proximal term, a :class:`BatchLoss`'s whole-batch term), so the
+    trainer may run the step as length-grouped micro-batches (:mod:`training.micro_batches`). A class
+    says the same with a ``length_grouped = True`` attribute.
+    """
+    loss_fn.length_grouped = True  # type: ignore[attr-defined]
+    return loss_fn
+
+
+@length_grouped
 def lm_loss(runtime: Runtime, batch: dict[str, torch.Tensor], names: Sequence[str],
             weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """The causal-LM loss (shifted cross-entropy over response tokens) with the given adapters on."""
     del names, weights  # already set on the context by the caller
-    out = runtime.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    out = lm_forward(runtime.model, batch)
+    assert out.loss is not None
     return out.loss, {}
 
 
 def _optimizer(runtime: Runtime, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     cfg = runtime.train
+    # One fused kernel over the many small LoRA tensors (120 for SmolLM2's q,v): the per-tensor loop costs
+    # about 4x as much on a CPU (bench/HISTORY.md); same update up to float reassociation.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, fused=fused)
     return torch.optim.SGD(params, lr=lr)
 
 
@@ -124,6 +146,7 @@ def train_adapters(
         raise ValueError(f"weights must be {len(names)} finite numbers for adapters {tuple(names)}, got {weights}")
     w_row = torch.tensor([list(weights)], dtype=torch.float32, device=device).reshape(1, len(names))
     in_forward = tuple(t for t in trainable if t in names)  # AMoLE routes inside the loss instead
+    grouped = bool(getattr(loss_fn, "length_grouped", False))
     losses: list[torch.Tensor] = []  # per step, on the device; read one step late so a GPU never idles
     extras: dict[str, list[float]] = {}
     order: list[int] = []
@@ -136,8 +159,8 @@ def train_adapters(
             idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
             opt.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            batches = [collate([examples[i] for i in idx[start:start + cfg.micro_batch_size]], pad_id=pad,
-                               device=device) for start in range(0, len(idx), cfg.micro_batch_size)]
+            batches = step_batches([examples[i] for i in idx], cfg.micro_batch_size, pad, device, grouped,
+                                   more_forwards=not isinstance(loss_fn, BatchLoss))
             if isinstance(loss_fn, BatchLoss):
                 with runtime.loaded.autocast():
                     loss_fn.begin_step(runtime, batches, names, w_row)

@@ -47,6 +47,7 @@ from adapters.amole import load_balance_loss
 from adapters.amole_layer import SHARED, add_amole_experts, expert_name
 from adapters.amole_routing import AMoLERouting
 from training.data import collate
+from training.lm_forward import lm_forward
 from training.local_train import LossFn, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
 from training.regime import Regime
@@ -257,7 +258,8 @@ def amole_loss(cfg: AMoLEConfig, assignment: Mapping[str, list[int]]) -> LossFn:
         routing = AMoLERouting(groups=(dict(assignment),), row_group=rows, top_k=cfg.top_k,
                                shared=cfg.shared_expert, router=cfg.router)
         with rt.adapted.context.route_tokens(routing):
-            out = rt.model(**batch)
+            out = lm_forward(rt.model, batch)
+        assert out.loss is not None
         tokens = batch["attention_mask"].reshape(-1).bool()  # gates are (B*T, E), row-major
         lb = torch.stack([load_balance_loss(g, idx, tokens) for _, g, idx in routing.stats]).sum()
         return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
@@ -315,7 +317,7 @@ class FedAMoLEClient(ClientAlgorithm):
                                    top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe,
                                    router=self.cfg.router)
             with torch.inference_mode(), rt.adapted.context.route_tokens(routing):
-                rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                lm_forward(rt.model, batch, with_loss=False)  # the adapted layers observe; no head needed
         # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
         noise_seed = derive_seed(ctx.seed, "embed-noise", round_idx, ctx.client_id)
         gen, rng = torch.Generator(device="cpu").manual_seed(noise_seed), np.random.default_rng(noise_seed)

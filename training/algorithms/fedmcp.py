@@ -29,6 +29,7 @@ from training.algorithms.local import fresh_local
 from training.batch_terms import SplitTerm, eval_mode, micro_share, split_term
 from training.cka import linear_cka, unbiased_linear_cka
 from training.features import mean_pool
+from training.lm_forward import lm_forward
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
 from training.regime import Regime
@@ -52,14 +53,13 @@ def similarity(a: torch.Tensor, b: torch.Tensor, kind: str = "cka", unbiased: bo
 def _pooled(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None, labels: bool = False,
             trainable: tuple[str, ...] = ()) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(LM loss or None, mean-pooled final-layer states (B, H)); ``adapter`` None keeps the caller's context."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    kwargs = {"labels": batch["labels"]} if labels else {}
+    mask = batch["attention_mask"]
     if adapter is None:
-        out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
+        out = lm_forward(rt.model, batch, with_loss=labels)
     else:
-        with rt.adapted.context.use((adapter,), torch.ones(ids.shape[0], 1, device=ids.device), trainable=trainable):
-            out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
-    return (out.loss if labels else None), mean_pool(out.hidden_states[-1], mask)
+        with rt.adapted.context.use((adapter,), torch.ones(mask.shape[0], 1, device=mask.device), trainable=trainable):
+            out = lm_forward(rt.model, batch, with_loss=labels)
+    return out.loss, mean_pool(out.hidden, mask)
 
 
 class FedMCPLoss:
@@ -70,6 +70,8 @@ class FedMCPLoss:
     (global, local) on at (1/2, 1/2), both trainable. ``private_y``: Y is the private adapter alone (the
     paper); False: the full model's states. ``unbiased``: the debiased CKA.
     """
+
+    length_grouped = True  # its LM losses read the rows' weights; L_c is the whole step's
 
     def __init__(self, gamma: float, mu: float, kind: str = "cka", private_y: bool = True,
                  unbiased: bool = True) -> None:

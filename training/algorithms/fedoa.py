@@ -25,6 +25,7 @@ from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import fresh_local
 from training.batch_terms import SplitTerm, eval_mode, micro_share, split_term
 from training.features import feature_distance, last_token
+from training.lm_forward import lm_forward
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
 from training.regime import Regime
@@ -39,14 +40,13 @@ REGIME = Regime(local_epochs=2, source="paper 001 s5.1 + App. C (K=2 epochs, bat
 def _features(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None,
               labels: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(LM loss or None, last-token final-layer features (B, H)); ``adapter`` None keeps the caller's context."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    kwargs = {"labels": batch["labels"]} if labels else {}
+    mask = batch["attention_mask"]
     if adapter is None:
-        out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
+        out = lm_forward(rt.model, batch, with_loss=labels)
     else:
-        with rt.adapted.context.use((adapter,), torch.ones(ids.shape[0], 1, device=ids.device), trainable=()):
-            out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
-    return (out.loss if labels else None), last_token(out.hidden_states[-1], mask)
+        with rt.adapted.context.use((adapter,), torch.ones(mask.shape[0], 1, device=mask.device), trainable=()):
+            out = lm_forward(rt.model, batch, with_loss=labels)
+    return out.loss, last_token(out.hidden, mask)
 
 
 class FedOALoss:
@@ -56,6 +56,8 @@ class FedOALoss:
     batch is the optimizer step's, whatever ``--micro-batch-size`` is (:mod:`training.batch_terms`).
     A :class:`training.local_train.BatchLoss`; the local adapter is on in the caller's context.
     """
+
+    length_grouped = True  # its LM loss reads the rows' weights; D is the whole step's
 
     def __init__(self, lam: float, distance: str, norm_batch: int = 0) -> None:
         self.lam, self.distance, self.norm_batch = lam, distance, norm_batch
