@@ -27,13 +27,14 @@ from typing import Any
 from adapters.rundir import RunDir
 from fedmosaic.evaluation import plots, tables, testsets
 from fedmosaic.evaluation.backend import WEIGHTING, EvalBackend, EvalItem, tag_of
-from fedmosaic.evaluation.inputs import EvalSetupError, load_inputs
+from fedmosaic.evaluation.inputs import AMOLE_MODELS, EvalSetupError, amole_reading, load_inputs
 from fedmosaic.evaluation.predictions import PredictionCache, make_row
 from fedmosaic.evaluation.stack_backend import open_backend
 from fedmosaic.evaluation.testsets import TestSet
 from fedmosaic.evaluation.weights import weight_outputs
 from routing.embedding import check_pooling
 from routing.feddpa import VARIANTS, similarity_name
+from serving.amole_run import aggregated_target
 from training.data import FederatedDataset, PromptConfig, prompt_texts
 from training.metrics import METRICS, Scores, score
 
@@ -66,6 +67,9 @@ class EvalOptions:
             Table 9); with an ablation and no ``feddpa_weighting`` the rule is the paper's.
         feddpa_variant: ``paper`` (``a`` weights the local adapter) or ``reference`` (the global one).
         feddpa_embedding: ``last`` token state (paper) or ``mean`` over the prompt's tokens (Table 10).
+        amole_model: a FedAMoLE client's model: ``local`` (its own model after its last local training,
+            paper 002 App. D.1.1) or ``aggregated`` (the server's pool after the last aggregation); None:
+            ``local`` when the run has the clients' own models (``export=local``), else ``aggregated``.
     """
 
     limit: int | None = None
@@ -86,8 +90,11 @@ class EvalOptions:
     feddpa_similarity: str = "cosine"
     feddpa_variant: str = "paper"
     feddpa_embedding: str = "last"
+    amole_model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.amole_model not in (None, *AMOLE_MODELS):
+            raise ValueError(f"amole_model must be one of {AMOLE_MODELS}, got {self.amole_model!r}")
         object.__setattr__(self, "feddpa_similarity", similarity_name(self.feddpa_similarity))
         if self.feddpa_variant not in VARIANTS:
             raise ValueError(f"feddpa_variant must be one of {VARIANTS}, got {self.feddpa_variant!r}")
@@ -111,16 +118,20 @@ class EvalOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def served_targets(models: Sequence[str], base_name: str, clients: Sequence[str]) -> dict[str, str]:
+def served_targets(models: Sequence[str], base_name: str, clients: Sequence[str],
+                   amole_model: str | None = None) -> dict[str, str]:
     """The served target of every model key: each client, ``global``, ``base``.
 
-    A client's personalized model is ``<client>`` when served (FedDPA mix, or whatever the resolver
-    serves under that name), else its local adapter, else the global adapter; clients with none are left out.
+    A client's personalized model is ``<client>`` when served (FedDPA mix, a FedAMoLE client's own
+    model, or whatever the resolver serves under that name), else its local adapter, else the global
+    adapter; clients with none are left out. With ``amole_model`` ``aggregated`` a FedAMoLE client is
+    its route in the aggregated pool (``amole:<client>`` where its own model takes ``<client>``).
     """
     available = set(models)
     targets: dict[str, str] = {}
     for c in clients:
-        found = next((t for t in (c, f"{c}:local", "global") if t in available), None)
+        first = (aggregated_target(c),) if amole_model == "aggregated" else ()
+        found = next((t for t in (*first, c, f"{c}:local", "global") if t in available), None)
         if found is not None:
             targets[c] = found
     if "global" in available:
@@ -152,6 +163,7 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     cfg = run.read_config()
     dataset, test_set = load_inputs(run, cfg, data=opts.data, test=opts.test, metric=opts.metric,
                                     limit=opts.limit)
+    amole = amole_reading(run, opts.amole_model)  # before the model loads: a bad choice fails first
     out = output_dir(run, opts.test)
     if backend is None:
         backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, device=opts.device,
@@ -160,7 +172,7 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
                                samples=opts.feddpa_samples, mode=opts.feddpa_mode, rule=opts.feddpa_weighting,
                                similarity=opts.feddpa_similarity, variant=opts.feddpa_variant,
                                embedding=opts.feddpa_embedding)
-    targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)
+    targets = served_targets(backend.models(), backend.base_name, dataset.client_ids, amole)
     clients = [c for c in dataset.client_ids if c in targets]
     if not clients:  # a backend that serves neither a client nor the global model: nothing personalised
         raise EvalSetupError(f"{run.root} serves no model for any client of {dataset.name!r} {dataset.client_ids}")
@@ -197,6 +209,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
         summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
+    if amole is not None:
+        summary["amole_model"] = amole
     if weights:
         summary["feddpa_weights"] = weight_outputs(out, weights, {c: dataset.task_of(c) for c in clients},
                                                    before if before.keys() == weights.keys() and before != weights
