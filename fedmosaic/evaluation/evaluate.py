@@ -1,14 +1,16 @@
 """``fedmosaic eval RUN_DIR``: batch offline evaluation in the layout of paper 000's Table 1.
 
-Every client's personalized model generates on the test set of every task; the global model and the
-bare base model do too. Models are *served targets* of the serving stack (:mod:`.stack_backend`):
+Every client's personalized model generates on the test set of every task; the global model and the bare
+base model do too. Models are *served targets* of the serving stack (:mod:`.stack_backend`):
 ``<client>`` (FedDPA's global + local mix: instance-wise weights by default for FedDPA runs, paper 000
-section 4.3, or the run's fixed inference weight), else ``<client>:local`` or ``global``, whichever the
-run serves. Greedy decoding runs on the continuous-batching engine; beam search (``--num-beams`` > 1)
-on HF ``generate`` (:mod:`serving.generation`). Predictions are cached per (checkpoint, model, task) as
-JSONL, row by row, tagged with how they were generated, so an interrupted evaluation resumes where it
-stopped. Then ROUGE-1/ROUGE-L/exact scores, the Personalization and Test-Time Personalization blocks
-(Markdown + JSON), and PNG plots (scores, score per round, FedDPA weight per task).
+section 4.3, or the run's fixed inference weight; a FedAMoLE client's own model, paper 002 App. D.1.1,
+or with ``amole_model`` ``aggregated`` the pool's ``amole:<client>``), else ``<client>:local`` or
+``global``, whichever the run serves. Greedy decoding runs on the continuous-batching engine; beam
+search (``--num-beams`` > 1) on HF ``generate`` (:mod:`serving.generation`). Predictions are cached per
+(checkpoint, model, task) as JSONL, row by row, tagged with how they were generated, so an interrupted
+evaluation resumes where it stopped. Then ROUGE-1/ROUGE-L/exact scores, the Personalization and
+Test-Time Personalization blocks (Markdown + JSON), and PNG plots (scores, score per round, FedDPA
+weight per task).
 
 ``--test`` scores the same clients and adapters on another test set (:mod:`.testsets`), e.g. tasks no
 client trained on (paper 000 Table 14); its outputs go to ``eval/test-sets/<name>/`` so the run's own
