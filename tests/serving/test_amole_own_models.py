@@ -14,6 +14,7 @@ from adapters import inject
 from adapters.amole_io import ASSIGNMENTS, load_amole, read_amole_meta
 from adapters.amole_routing import AMoLERouting
 from models import LoadedModel, tiny_llama
+from serving.access import Binding
 from serving.adapter_pool import AdapterPool
 from serving.engine import Engine
 from serving.errors import AdapterLoadFailed
@@ -126,3 +127,9 @@ def test_an_own_folder_naming_another_client_is_refused(tiny: LoadedModel, tmp_p
     (bad / "run.json").write_text(json.dumps({"method": "fedamole", "model": "tiny"}))
     with pytest.raises(AdapterLoadFailed, match="its own client 'c0'"):
         serve(tiny, bad)
+
+
+def test_a_key_bound_to_a_client_reaches_the_client_in_the_pool_too() -> None:
+    bound = Binding(clients=frozenset({"c0"}))
+    assert bound.allows("c0", "tiny") and bound.allows("amole:c0", "tiny")
+    assert not bound.allows("amole:c1", "tiny") and not bound.allows("c1", "tiny")
