@@ -8,10 +8,11 @@ after the last aggregation (the ``export=aggregated`` reading). The names a run 
 
 * ``<client>``: the client's own model when the run has its folder (pool entry ``<client>:amole``,
   one bundle per client, pinned like the pool when every one fits the free slots, sharing no expert
-  with any other client's), else the client's route in the aggregated pool (runs trained with
-  ``export=aggregated``, or before per-client folders existed);
-* ``amole:<client>``: the client's route in the aggregated pool (entry ``amole``), when the client's
-  own model takes ``<client>``; ``fedmosaic eval --amole-model aggregated`` scores these.
+  with any other client's); in a run without any such folder (trained with ``export=aggregated``, or
+  before they existed) the client's route in the aggregated pool, as before;
+* ``amole:<client>``: the client's route in the aggregated pool (entry ``amole``) in a run with them,
+  for every client of the pool, also one that has no own model (the last round did not select it);
+  ``fedmosaic eval --amole-model aggregated`` scores these.
 """
 
 from __future__ import annotations

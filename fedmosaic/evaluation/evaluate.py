@@ -21,6 +21,7 @@ model is loaded, so a bad option fails in one line, not after the generations.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -127,13 +128,15 @@ def served_targets(models: Sequence[str], base_name: str, clients: Sequence[str]
     A client's personalized model is ``<client>`` when served (FedDPA mix, a FedAMoLE client's own
     model, or whatever the resolver serves under that name), else its local adapter, else the global
     adapter; clients with none are left out. With ``amole_model`` ``aggregated`` a FedAMoLE client is
-    its route in the aggregated pool (``amole:<client>`` where its own model takes ``<client>``).
+    its route in the aggregated pool (``amole:<client>`` where its own model takes ``<client>``), as it
+    is, last, for a client without its own model (one the last round did not select).
     """
     available = set(models)
     targets: dict[str, str] = {}
     for c in clients:
-        first = (aggregated_target(c),) if amole_model == "aggregated" else ()
-        found = next((t for t in (*first, c, f"{c}:local", "global") if t in available), None)
+        pooled = (aggregated_target(c),)
+        first = pooled if amole_model == "aggregated" else ()
+        found = next((t for t in (*first, c, f"{c}:local", "global", *pooled) if t in available), None)
         if found is not None:
             targets[c] = found
     if "global" in available:
@@ -176,6 +179,10 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
                                embedding=opts.feddpa_embedding)
     targets = served_targets(backend.models(), backend.base_name, dataset.client_ids, amole)
     clients = [c for c in dataset.client_ids if c in targets]
+    pooled = [c for c in clients if amole == "local" and targets[c] == aggregated_target(c)]
+    if pooled:
+        warnings.warn(f"FedAMoLE clients {pooled} have no own model (not selected in the last round): "
+                      "scored on the aggregated pool", stacklevel=2)
     if not clients:  # a backend that serves neither a client nor the global model: nothing personalised
         raise EvalSetupError(f"{run.root} serves no model for any client of {dataset.name!r} {dataset.client_ids}")
     described = {t: backend.describe(t) for t in set(targets.values())}

@@ -35,12 +35,11 @@ def save_pool(folder: Path, seed: int, clients: tuple[str, ...]) -> None:
     save_amole(adapted, folder, 4, {c: {p: ids[c] for p in adapted.layers} for c in clients}, top_k=1)
 
 
-def build(root: Path, own: bool) -> RunDir:
+def build(root: Path, own: tuple[str, ...]) -> RunDir:
     run = RunDir(root / "run")
     save_pool(run.amole, 0, CLIENTS)
-    if own:  # export=local: each client's own model beside the aggregated pool
-        for i, client in enumerate(CLIENTS):
-            save_pool(run.client_dir(client) / "amole", 1 + i, (client,))
+    for i, client in enumerate(own):  # export=local: each client's own model beside the aggregated pool
+        save_pool(run.client_dir(client) / "amole", 1 + i, (client,))
     run.run_json.write_text(json.dumps({"method": "fedamole", "data": "generated", "data_options": DATA,
                                         "model": str(save_tiny_llama(root / "model"))}))
     return run
@@ -52,7 +51,7 @@ def rows(run: RunDir, client: str) -> list[dict]:
 
 
 def test_eval_scores_each_clients_own_model_and_the_pool_on_request(tmp_path: Path) -> None:
-    run = build(tmp_path, own=True)
+    run = build(tmp_path, own=CLIENTS)
     local = evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, dtype="float32"))
     assert local["amole_model"] == "local"
     for client in CLIENTS:
@@ -77,10 +76,18 @@ def test_eval_scores_each_clients_own_model_and_the_pool_on_request(tmp_path: Pa
 
 
 def test_a_run_without_own_models_is_scored_on_its_pool(tmp_path: Path) -> None:
-    run = build(tmp_path, own=False)
+    run = build(tmp_path, own=())
     with pytest.raises(EvalSetupError, match="--amole-model aggregated"):  # before any model is loaded
         evaluate_run(run.root, EvalOptions(limit=1, amole_model="local"))
     summary = evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, dtype="float32"))
     assert summary["amole_model"] == "aggregated"
     target = summary["targets"]["sorting"]
     assert target["target"] == "sorting" and target["amole_model"] == "amole"  # the pool, under the client's name
+
+
+def test_a_client_the_last_round_left_out_is_scored_on_the_pool_and_said_so(tmp_path: Path) -> None:
+    run = build(tmp_path, own=("sorting",))
+    with pytest.warns(UserWarning, match=r"\['capitals'\] have no own model"):
+        summary = evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=2, dtype="float32"))
+    assert summary["amole_model"] == "local" and summary["targets"]["sorting"]["amole_model"] == "sorting:amole"
+    assert summary["targets"]["capitals"]["target"] == "amole:capitals"
