@@ -102,6 +102,7 @@ class AdapterPool(PoolViews):
         self._tick = 0
         self.amole = amole if amole is not None else AMoLERegistry()
         self._amole_clients: dict[str, str] = {}  # AMoLE client name -> its entry's name
+        self._prefixes: dict[str, str] = {}  # AMoLE model name -> its clients' served-name prefix (kept on unload)
 
     # --- paths ---------------------------------------------------------------------------------
 
@@ -111,11 +112,14 @@ class AdapterPool(PoolViews):
 
     # --- registration --------------------------------------------------------------------------
 
-    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False,
+             client_prefix: str | None = None) -> AdapterInfo:
         """Load the PEFT folder ``path`` as ``name`` (a new version when ``replace`` reloads a name).
 
         ``path`` may also be a FedAMoLE folder or run directory: ``name`` then names the AMoLE model
-        and its clients are served under their own names.
+        and its clients are served under their own names, each prefixed with ``client_prefix``
+        (None: the prefix ``name`` was last loaded with, none at first; a run's aggregated pool
+        beside its clients' own models serves ``amole:<client>``, :mod:`serving.amole_run`).
 
         Raises:
             AdapterExists: ``name`` (or one of an AMoLE model's clients) is registered and
@@ -128,8 +132,9 @@ class AdapterPool(PoolViews):
         if amole is None and (folder / "run.json").is_file():
             raise AdapterLoadFailed(f"{path} is a training run without FedAMoLE experts; serve FedDPA runs with "
                                     "`fedmosaic serve RUN_DIR`, or load their adapter folders one by one")
+        prefix = self.client_prefix(name) if client_prefix is None else client_prefix
         try:
-            clients = client_names(amole) if amole is not None else ()
+            clients = tuple(prefix + c for c in client_names(amole)) if amole is not None else ()
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
         with self.lock, self.state:
@@ -142,6 +147,8 @@ class AdapterPool(PoolViews):
                 self._retire(old)
                 self._forget_clients(old)
             self._entries[name] = entry
+            if amole is not None:
+                self._prefixes[name] = prefix
             for client in clients:
                 self._amole_clients[client] = name
             return self._info(entry)
@@ -171,6 +178,12 @@ class AdapterPool(PoolViews):
                 self._forget_clients(old)
             self._entries[name] = entry
             return self._info(entry)
+
+    def client_prefix(self, name: str) -> str:
+        """The prefix the AMoLE model ``name`` serves its clients under (kept after an unload, so a
+        reload from the same folder serves the same names)."""
+        with self.state:
+            return self._prefixes.get(name, "")
 
     def _registered(self, name: str, replace: bool) -> Entry | None:
         """The entry registered as ``name`` (None if none); AdapterExists unless ``replace``."""
@@ -273,8 +286,8 @@ class AdapterPool(PoolViews):
             entry.last_used = self._tick
             assert entry.internal is not None
             keys.append(entry.internal)
-            if entry.kind == "amole":
-                route = self.amole.route(entry.internal, name)
+            if entry.kind == "amole":  # the served name less the model's prefix is the assignment's key
+                route = self.amole.route(entry.internal, name[len(self._prefixes.get(owner, "")):])
             else:
                 plain.append(entry.internal)
         for key in keys:

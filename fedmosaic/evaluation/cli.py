@@ -8,6 +8,7 @@ from pathlib import Path
 from adapters import AdapterError
 from fedmosaic.evaluation.backend import WEIGHTING
 from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, compare_runs, evaluate_run
+from fedmosaic.evaluation.inputs import AMOLE_MODELS
 from models import settings
 from training.data import DataError
 from training.metrics import METRICS
@@ -53,6 +54,9 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--feddpa-embedding", choices=["last", "mean"], default="last",
                    help="the prompt's last-token state (paper) or its mean over the tokens (paper 000 Table 10); "
                         "mean needs the run's indexes rebuilt: `fedmosaic calibrate RUN --feddpa-embedding mean`")
+    p.add_argument("--amole-model", choices=AMOLE_MODELS, default=None,
+                   help="FedAMoLE runs: each client's own model after its last local training (local, paper 002 "
+                        "App. D.1.1; the default where training wrote them) or the aggregated pool (aggregated)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     p.add_argument("--compare", action="store_true", help="only tabulate already-evaluated runs side by side")
@@ -88,4 +92,4 @@ def _options(args: argparse.Namespace) -> EvalOptions:
                        feddpa_weights=args.feddpa_weights, feddpa_weighting=args.feddpa_weighting,
                        feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode,
                        feddpa_similarity=args.feddpa_similarity, feddpa_variant=args.feddpa_variant,
-                       feddpa_embedding=args.feddpa_embedding)
+                       feddpa_embedding=args.feddpa_embedding, amole_model=args.amole_model)
