@@ -94,8 +94,20 @@ def last_token_state(
         ctx = adapted.context.use(tuple(names), w)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
     with torch.inference_mode(), ctx:
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+        out = decoder(model)(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             output_hidden_states=True, use_cache=False)
     return pool_states(out.hidden_states[-1], mask, pooling)  # (B, H)
+
+
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM's decoder without its LM head (HF ``base_model``), else the model itself.
+
+    The states are the same (the causal LM hands its decoder's ``hidden_states`` through); the head's
+    logits over every position (576 x 49,152 a token for SmolLM2, about a fifth of the forward) are not
+    needed for an embedding.
+    """
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, torch.nn.Module) and base is not model and hasattr(model, "lm_head") else model
 
 
 def embed_prompts(

@@ -7,7 +7,8 @@ header and asks a :class:`KeyRing` who the caller is.
   run's files, ``/metrics`` when it is protected, and FedDPA routing details in responses.
 * **User keys** may run inference and list models. A user key can be **bound** to the targets it may
   use (a *virtual key*, as LLM gateways call it): bound to client ``sorting`` it reaches ``sorting``,
-  ``sorting:local``, ``global`` and the base model, nothing else; bound to models, exactly those.
+  ``sorting:local``, ``global``, ``amole:sorting`` and the base model, nothing else; bound to models,
+  exactly those.
 * With no key configured at all the server is open: every caller is an anonymous, unbound user.
 * Every key is a **tenant** (:attr:`Principal.tenant`): caches a request can observe, the prompt-prefix
   cache, are partitioned by it, so nothing one key's requests left shows in another key's (an open
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from routing.base import GLOBAL, local_name
+from serving.pool.amole_run import aggregated_target
 
 Role = Literal["admin", "user"]
 
@@ -48,7 +50,8 @@ class Binding:
     """The targets a bound key may use.
 
     Attributes:
-        clients: personalised clients; each adds ``<client>``, ``<client>:local``, ``global`` and the base.
+        clients: personalised clients; each adds ``<client>``, ``<client>:local``, ``global``, the base
+            and ``amole:<client>`` (the client in a FedAMoLE run's aggregated pool).
         models: further target names, taken as they are.
     """
 
@@ -62,7 +65,7 @@ class Binding:
         if not self.clients:
             return False
         return target in (GLOBAL, base_name) or target in self.clients or any(
-            target == local_name(c) for c in self.clients)
+            target in (local_name(c), aggregated_target(c)) for c in self.clients)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ may ask of it, for the HTTP routes and any other operator tool:
   the command line) a runtime load could read any folder on disk, so it is refused;
 * a runtime load never takes a name that already means something else: the base model, a served
   client (FedDPA ``<client>`` or AMoLE), the name space of the run (``global`` and every run client's
-  ``<client>`` and ``<client>:local``), or a ``<x>:local`` that would turn an adapter ``x`` into a
+  ``<client>``, ``<client>:local`` and ``<client>:amole``), or a ``<x>:local`` that would turn an adapter ``x`` into a
   client. Reloading a registered adapter in place (``replace``) is allowed: that is a new version of
   the same thing, not a new meaning for the name;
 * a pinned adapter is unloaded only with ``force`` (every FedDPA client needs the pinned ``global``),
@@ -24,6 +24,7 @@ from routing.base import GLOBAL, LOCAL_SUFFIX, local_name
 from serving.errors import NameReserved, PathNotAllowed
 from serving.pool import AdapterInfo
 from serving.pool.amole import amole_folder, client_names
+from serving.pool.amole_run import OWN_SUFFIX, own_model
 from serving.stack import ServingStack
 
 
@@ -37,6 +38,9 @@ def run_folder(stack: ServingStack, name: str) -> Path | None:
         return folders.global_adapter.resolve()
     if run.amole is not None and name == run.amole:
         return amole_folder(folders.amole.resolve())
+    own = name[: -len(OWN_SUFFIX)] if name.endswith(OWN_SUFFIX) else None
+    if own is not None and own in run.amole_own:  # a client's own AMoLE model (serving.pool.amole_run)
+        return amole_folder(folders.client_dir(own).resolve() / "amole")
     client = name[: -len(LOCAL_SUFFIX)] if name.endswith(LOCAL_SUFFIX) else None
     if client is not None and client in run.clients:
         return folders.local_adapter(client).resolve()
@@ -60,10 +64,11 @@ def reserved(stack: ServingStack, name: str, replace: bool, folder: Path | None 
         return None  # an in-place reload: a new version under the same meaning
     own = run_folder(stack, name)
     if own is not None and folder is not None:
-        given = amole_folder(folder) if run is not None and name == run.amole else folder
+        amole_names = (run.amole, *map(own_model, run.amole_own)) if run is not None else ()
+        given = amole_folder(folder) if name in amole_names else folder
         if given == own:
             return None  # the run's own adapter, restored
-    if name == GLOBAL or any(name == local_name(c) for c in run_clients):
+    if name == GLOBAL or any(name in (local_name(c), own_model(c)) for c in run_clients):
         return "the run's adapters own it (load it from the run's own folder to restore it)"
     if name.endswith(LOCAL_SUFFIX) and name[: -len(LOCAL_SUFFIX)] in (resolver.base_name, *pool.names()):
         return f"it would make {name[: -len(LOCAL_SUFFIX)]!r} both an adapter and a client"
@@ -91,7 +96,8 @@ def load(stack: ServingStack, name: str, path: str | Path, pinned: bool = False,
     restoring = amole is not None and amole == run_folder(stack, name)
     taken = {stack.resolver.base_name, GLOBAL, *stack.resolver.clients(),
              *(stack.run_info.clients if stack.run_info is not None and not restoring else ())}
-    for client in client_names(amole) if amole is not None else ():
+    prefix = pool.client_prefix(name)  # a restored aggregated pool serves the names it served
+    for client in (prefix + c for c in client_names(amole)) if amole is not None else ():
         if pool.amole_model_of(client) != name and (client in taken or client in pool):
             raise NameReserved(f"the AMoLE model at {str(path)!r} serves a client {client!r} whose name is taken")
     return pool.load(name, path, pinned, replace)

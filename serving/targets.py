@@ -11,8 +11,9 @@ Names a request can use (the OpenAI ``model`` field):
   ``inference_weight`` (:class:`FixedWeightRouter`);
 * ``<client>`` of a FedAMoLE run (paper 002 section 4.2): every token routed over that client's
   experts inside the layers (:mod:`serving.engine.amole`); the plan names the client once at weight 1
-  and the pool's lease turns it into the route the engine reads. An AMoLE run has no global adapter,
-  so ``global`` exists only where a run or the operator loaded one;
+  and the pool's lease turns it into the route the engine reads (the client's own model where the run
+  has one, the aggregated pool then serving ``amole:<client>``: :mod:`serving.pool.amole_run`). An AMoLE
+  run has no global adapter, so ``global`` exists only where a run or the operator loaded one;
 * an explicit mixture ``[(name, weight), ...]`` (the HTTP ``adapters`` extension field) overrides all;
   it mixes plain adapters only (AMoLE clients weight their experts per token themselves).
 

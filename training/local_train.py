@@ -4,7 +4,9 @@ The settings are the method's regime (:mod:`training.regime`) under the run's bu
 local run (FedDPA: AdamW, lr 3e-4, linear decay, no warm-up, as the reference's HF Trainer, METHODS.md 2.3;
 FedAMoLE: Adam, constant inside the run, lr decayed x0.99 per round), ``local_epochs`` passes (or
 ``max_steps``), ``batch_size`` per step built from ``micro_batch_size`` forwards with gradient accumulation,
-loss only on response tokens. A loss with a term over the whole logical batch (FedOA's feature distance,
+loss only on response tokens (the LM head runs on those positions alone, :mod:`training.lm_forward`). A
+loss marked :func:`length_grouped` runs each step as length-grouped forwards that keep every token's weight
+(:mod:`training.micro_batches`). A loss with a term over the whole logical batch (FedOA's feature distance,
 FedMCP's CKA) implements :class:`BatchLoss`: it sees every micro-batch of a step before the first one is
 differentiated, so its value and gradients do not depend on ``micro_batch_size``. Every random
 choice (shuffling, dropout) comes from the given seed, so a run resumed from a checkpoint repeats the
@@ -22,12 +24,16 @@ from typing import Protocol, runtime_checkable
 import torch
 from tqdm.auto import tqdm
 
-from training.data import Example, collate
+from training.data import Example
+from training.lm_forward import lm_forward
+from training.micro_batches import step_batches
+from training.regime import run_steps, schedule_factor
 from training.runtime import PRESETS, Runtime, TrainConfig, preset
 
 # TrainConfig and its presets live with the runtime (which owns the adapters' LoRA config); they are
 # re-exported here because this is where a method author looks for the training settings.
-__all__ = ["PRESETS", "BatchLoss", "LossFn", "TrainConfig", "TrainResult", "lm_loss", "preset", "train_adapters"]
+__all__ = ["PRESETS", "BatchLoss", "LossFn", "TrainConfig", "TrainResult", "length_grouped", "lm_loss", "preset",
+           "train_adapters"]
 
 # (runtime, batch, names, weights (B, K)) -> (loss, extra scalar metrics); the default is the LM loss.
 LossFn = Callable[
@@ -64,20 +70,37 @@ class TrainResult:
         return {"loss": self.loss, "steps": float(self.steps), **self.extra}
 
 
+def length_grouped(loss_fn: LossFn) -> LossFn:
+    """Mark ``loss_fn`` as one whose step loss is the same for any grouping of the step's examples.
+
+    Its LM terms go through :func:`training.lm_forward.lm_forward` (which reads a batch's ``loss_weight``)
+    and its other terms are per-step (a proximal term, a :class:`BatchLoss`'s whole-batch term), so the
+    trainer may run the step as length-grouped micro-batches (:mod:`training.micro_batches`). A class
+    says the same with a ``length_grouped = True`` attribute.
+    """
+    loss_fn.length_grouped = True  # type: ignore[attr-defined]
+    return loss_fn
+
+
+@length_grouped
 def lm_loss(runtime: Runtime, batch: dict[str, torch.Tensor], names: Sequence[str],
             weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """The causal-LM loss (shifted cross-entropy over response tokens) with the given adapters on."""
     del names, weights  # already set on the context by the caller
-    out = runtime.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    out = lm_forward(runtime.model, batch)
+    assert out.loss is not None
     return out.loss, {}
 
 
 def _optimizer(runtime: Runtime, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     cfg = runtime.train
+    # One fused kernel over the many small LoRA tensors (120 for SmolLM2's q,v): the per-tensor loop costs
+    # about 4x as much on a CPU (bench/HISTORY.md); same update up to float reassociation.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, fused=fused)
     return torch.optim.SGD(params, lr=lr)
 
 
@@ -112,21 +135,18 @@ def train_adapters(
         raise ValueError("cannot train on zero examples")
     torch.manual_seed(seed)  # dropout masks: the default generator of the model's device (CUDA's is seeded too)
     gen = torch.Generator(device="cpu").manual_seed(seed)  # the shuffle: the same order on every device
-    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
-    total = steps_per_epoch * cfg.local_epochs if cfg.max_steps is None else cfg.max_steps
+    total = run_steps(len(examples), cfg.batch_size, cfg.local_epochs, cfg.max_steps)
     adapted = runtime.adapted
     adapted.set_trainable(trainable)
     params = adapted.parameters_of(trainable) + list(extra_params)
     opt = _optimizer(runtime, params, cfg.round_lr(round_idx))
-    if cfg.schedule == "linear":
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
-    else:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule_factor(cfg.schedule, s, total))
     pad, device = runtime.tokenizer.pad_token_id, runtime.device
     if len(weights) != len(names) or not all(math.isfinite(float(x)) for x in weights):
         raise ValueError(f"weights must be {len(names)} finite numbers for adapters {tuple(names)}, got {weights}")
     w_row = torch.tensor([list(weights)], dtype=torch.float32, device=device).reshape(1, len(names))
     in_forward = tuple(t for t in trainable if t in names)  # AMoLE routes inside the loss instead
+    grouped = bool(getattr(loss_fn, "length_grouped", False))
     losses: list[torch.Tensor] = []  # per step, on the device; read one step late so a GPU never idles
     extras: dict[str, list[float]] = {}
     order: list[int] = []
@@ -139,8 +159,8 @@ def train_adapters(
             idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
             opt.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            batches = [collate([examples[i] for i in idx[start:start + cfg.micro_batch_size]], pad_id=pad,
-                               device=device) for start in range(0, len(idx), cfg.micro_batch_size)]
+            batches = step_batches([examples[i] for i in idx], cfg.micro_batch_size, pad, device, grouped,
+                                   more_forwards=not isinstance(loss_fn, BatchLoss))
             if isinstance(loss_fn, BatchLoss):
                 with runtime.loaded.autocast():
                     loss_fn.begin_step(runtime, batches, names, w_row)

@@ -15,10 +15,15 @@ instances live (the Flower server then gathers every ``embeddings.*`` file).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from routing.background import BACKGROUND_PROMPTS, background_id
 from routing.cache import EmbeddingIndex
@@ -67,12 +72,32 @@ def save_instance_index(rt: Runtime, client: ClientData, folder: Path, gate: Gat
     """
     prompts = instance_prompts(client, rt.tokenizer, rt.train.prompt_style)
     vecs = embed_prompts(rt.model, rt.adapted, rt.tokenizer, prompts, ("global",), autocast=rt.loaded.autocast)
-    generic = background_prompts(rt.tokenizer, rt.train.prompt_style)
-    background = embed_prompts(rt.model, rt.adapted, rt.tokenizer, generic, ("global",), autocast=rt.loaded.autocast)
+    background = background_states(rt)
     calibration = calibrate(vecs, background, background_id=background_id())
     if gate is not None:
         calibration = dataclasses.replace(calibration, gain=gate.gain, gate=gate.asdict())
     write_index(EmbeddingIndex(vecs, calibration=calibration), folder)
+
+
+# runtime -> (global adapter's fingerprint, template) -> background states: every client of a simulated run
+# embeds the same public prompts under the same final global adapter
+_BACKGROUND: weakref.WeakKeyDictionary[Runtime, dict[tuple[str, str], np.ndarray]] = weakref.WeakKeyDictionary()
+
+
+def background_states(rt: Runtime) -> np.ndarray:
+    """The background prompts' states under the runtime's current ``global`` adapter, embedded once per adapter."""
+    digest = hashlib.sha256()
+    for key, value in sorted(rt.adapted.adapter_state("global").items()):
+        digest.update(key.encode())
+        digest.update(value.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    key = (digest.hexdigest(), rt.train.prompt_style)
+    cache = _BACKGROUND.setdefault(rt, {})
+    if key not in cache:
+        cache.clear()  # one adapter at a time: the final global of the run being finished
+        generic = background_prompts(rt.tokenizer, rt.train.prompt_style)
+        cache[key] = embed_prompts(rt.model, rt.adapted, rt.tokenizer, generic, ("global",),
+                                   autocast=rt.loaded.autocast)
+    return cache[key]
 
 
 def instance_prompts(client: ClientData, tokenizer: Any, style: str) -> list[str]:

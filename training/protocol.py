@@ -185,6 +185,10 @@ class Method:
             embeddings for the router; other methods' clients answer with their local adapter alone.
         regime: the paper's client training (optimizer, lr and its decay, batch, epochs or steps, rounds),
             defined in the method's module; FedDPA's for the baselines (:mod:`training.regime`).
+        data_defaults: option defaults a paper sets per data set, by data spec (FedDPA-T: alpha 0.3
+            on ``feddpa2``, paper 000 s5.1); between ``defaults`` and the user's options.
+        client_defaults: ``n_clients -> options``: defaults that scale with the number of clients (FedAMoLE's
+            expert count), applied where the clients are known, before the user's options.
     """
 
     name: str
@@ -198,6 +202,15 @@ class Method:
     export: Any = None
     instance_weighting: bool = False
     regime: Regime = FEDDPA_REGIME
+    data_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    client_defaults: Any = None
+
+    def options_for(self, data: str | None, options: Mapping[str, Any] | None = None,
+                    n_clients: int | None = None) -> dict[str, Any]:
+        """The options on data set ``data`` with ``n_clients``: defaults, the data set's and the client
+        count's, then ``options``."""
+        scaled = self.client_defaults(n_clients) if self.client_defaults and n_clients else {}
+        return {**self.defaults, **self.data_defaults.get(data or "", {}), **scaled, **(options or {})}
 
     def mixture_weight(self, options: Mapping[str, Any]) -> float | None:
         """The local adapter's inference weight under ``options``."""

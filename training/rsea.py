@@ -69,10 +69,11 @@ class AMoLEConfig:
         dp_noise: the reference code's ``--apply_dp``: Gamma-magnitude noise on every uploaded
             embedding, rescaled under the largest clean norm (METHODS.md 1.4).
         dp_eta: rate of the noise's Gamma magnitude (larger: less noise).
-        export: what the run's final model is. ``aggregated``: the server's experts and projections after the
-            last aggregation (``adapters/amole``, one servable model). ``local``: besides it, each client's
+        export: what the run's final model is. ``local`` (default): besides the server's pool, each client's
             last-round locally trained experts, shared expert and projections before aggregation
-            (``adapters/clients/<id>/amole``), the model the reference code evaluates (METHODS.md 1.9).
+            (``adapters/clients/<id>/amole``), the model paper App. D.1.1 and the reference code evaluate
+            (METHODS.md 1.9). ``aggregated``: only the server's experts and projections after the last
+            aggregation (``adapters/amole``, one servable model).
         embed_noise: standard deviation of Gaussian noise added to every coordinate of every
             uploaded client and expert embedding (the Gaussian mechanism of Wei et al. 2020, which
             paper 002 C.2 cites); 0 is off. Training is unchanged; only the relevance scores, and
@@ -96,7 +97,7 @@ class AMoLEConfig:
     dp_noise: bool = False
     dp_eta: float = 100.0
     embed_noise: float = 0.0
-    export: str = "aggregated"
+    export: str = "local"
     router: str = "amole"
 
     def __post_init__(self) -> None:

@@ -37,14 +37,17 @@ class TrainConfig:
         lr: learning rate of round 0 (3e-4, AdamW, linear decay inside each local run, no warm-up).
         batch_size: examples per optimizer step (paper 32).
         micro_batch_size: examples per forward (gradient accumulation up to ``batch_size``).
-        local_epochs: passes over the local data per round (paper 10).
+        local_epochs: passes over the local data per round (paper 10); a budget may give a fraction of
+            one (:mod:`training.regime`), then a run is ``ceil(n * local_epochs / batch_size)`` steps.
         max_steps: cap on optimizer steps per local run (None: epochs decide).
         cutoff_len: token cutoff per example (512).
         optimizer: ``adamw``, ``adam`` or ``sgd``.
-        schedule: inside one local run, ``linear`` decay to 0 or ``constant``.
+        schedule: inside one local run, ``linear`` decay to 0, ``constant``, or ``cosine`` (a budget's:
+            warm-up, then cosine to a floor; :func:`training.regime.schedule_factor`).
         round_decay: round r trains at ``lr * round_decay ** r`` (FedAMoLE 0.99; 1: no decay).
         weight_decay: AdamW weight decay (0).
-        max_grad_norm: gradient clipping (None: off).
+        max_grad_norm: clip the global gradient norm of each step at this value (1.0: the reference
+            code's HF Trainer default, paper 000's FedDPA code; None: off).
         lora: the adapters' LoRA config (r 8, alpha 16, dropout 0.05 on q_proj, v_proj).
         prompt_style: ``alpaca_short`` (paper) or ``chat``.
     """
@@ -52,21 +55,25 @@ class TrainConfig:
     lr: float = 3e-4
     batch_size: int = 32
     micro_batch_size: int = 8
-    local_epochs: int = 10
+    local_epochs: float = 10
     max_steps: int | None = None
     cutoff_len: int = 512
     optimizer: str = "adamw"
     schedule: str = "linear"
     round_decay: float = 1.0
     weight_decay: float = 0.0
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = 1.0
     lora: LoraConfig = field(default_factory=LoraConfig)
     prompt_style: str = "alpaca_short"
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "micro_batch_size", "local_epochs", "cutoff_len"):
+        for name in ("batch_size", "micro_batch_size", "cutoff_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.local_epochs > 0:
+            raise ValueError(f"TrainConfig.local_epochs must be > 0, got {self.local_epochs}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (off), got {self.max_grad_norm}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
         if not self.lr > 0:

@@ -140,7 +140,7 @@ def run_federated(
     method: str, dataset: FederatedDataset, loaded: LoadedModel, out_dir: str | Path, sim: SimConfig | int,
     train: TrainConfig, options: dict[str, Any] | None = None, resume: bool = False,
     data_spec: str = "custom", data_options: dict[str, Any] | None = None, model_name: str | None = None,
-    preset_name: str | None = None,
+    preset_name: str | None = None, record: Mapping[str, Any] | None = None,
 ) -> RunSummary:
     """Train ``method`` on ``dataset`` and write a run directory (see :mod:`adapters.rundir`).
 
@@ -157,6 +157,7 @@ def run_federated(
         data_options: the loader's options recorded beside it.
         model_name: the base model recorded in run.json (default: the loaded model's name).
         preset_name: the budget ``train`` was built with, recorded in run.json beside the method's regime.
+        record: further entries for run.json (the learning-rate search's scores and choice).
 
     Raises:
         FileExistsError: ``out_dir`` already holds a run and ``resume`` is False (never overwritten).
@@ -167,12 +168,13 @@ def run_federated(
     m = get_method(method)  # an unknown method fails before anything touches the disk
     run = RunDir(Path(out_dir))
     with run.lock("training"):
-        opts = {**m.defaults, **(options or {}), "seed": sim.seed}
-        config = run_record(m, opts, sim.round_config(), train, data=data_spec, data_options=data_options or {},
-                            model=model_name or loaded.name, clients_per_task=sim.clients_per_task,
-                            device=str(loaded.device), preset=preset_name, regime=m.regime.asdict())
         if sim.clients_per_task > 1:
             dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.seed)
+        opts = {**m.options_for(data_spec, options, len(dataset.clients)), "seed": sim.seed}
+        config = run_record(m, opts, sim.round_config(), train, data=data_spec, data_options=data_options or {},
+                            model=model_name or loaded.name, clients_per_task=sim.clients_per_task,
+                            device=str(loaded.device), preset=preset_name, regime=m.regime.asdict(),
+                            **(record or {}))
         if m.centralized:
             pooled = tuple(r for c in dataset.clients for r in c.train)
             dataset = FederatedDataset(dataset.name, (ClientData("all", "all", pooled),), dataset.tests)

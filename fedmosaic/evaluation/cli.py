@@ -8,6 +8,7 @@ from pathlib import Path
 from adapters import AdapterError
 from fedmosaic.evaluation.backend import WEIGHTING
 from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, compare_runs, evaluate_run
+from fedmosaic.evaluation.inputs import AMOLE_MODELS
 from models import settings
 from routing.feddpa_options import add_option_arguments
 from training.data import DataError
@@ -43,6 +44,9 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                    help="instance-wise rule of FedDPA runs: calibrated (default), paper (lambda * mean cosine) "
                         "or fixed; calibrated needs `fedmosaic calibrate` on runs trained before it existed")
     add_option_arguments(p, ("samples", "mode", "similarity", "variant", "embedding"))  # as `fedmosaic serve`'s
+    p.add_argument("--amole-model", choices=AMOLE_MODELS, default=None,
+                   help="FedAMoLE runs: each client's own model after its last local training (local, paper 002 "
+                        "App. D.1.1; the default where training wrote them) or the aggregated pool (aggregated)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     p.add_argument("--compare", action="store_true", help="only tabulate already-evaluated runs side by side")
@@ -78,4 +82,4 @@ def _options(args: argparse.Namespace) -> EvalOptions:
                        feddpa_weights=args.feddpa_weights, feddpa_weighting=args.feddpa_weighting,
                        feddpa_samples=args.feddpa_samples, feddpa_mode=args.feddpa_mode,
                        feddpa_similarity=args.feddpa_similarity, feddpa_variant=args.feddpa_variant,
-                       feddpa_embedding=args.feddpa_embedding)
+                       feddpa_embedding=args.feddpa_embedding, amole_model=args.amole_model)

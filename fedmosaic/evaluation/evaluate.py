@@ -1,14 +1,16 @@
 """``fedmosaic eval RUN_DIR``: batch offline evaluation in the layout of paper 000's Table 1.
 
-Every client's personalized model generates on the test set of every task; the global model and the
-bare base model do too. Models are *served targets* of the serving stack (:mod:`.stack_backend`):
+Every client's personalized model generates on the test set of every task; the global model and the bare
+base model do too. Models are *served targets* of the serving stack (:mod:`.stack_backend`):
 ``<client>`` (FedDPA's global + local mix: instance-wise weights by default for FedDPA runs, paper 000
-section 4.3, or the run's fixed inference weight), else ``<client>:local`` or ``global``, whichever the
-run serves. Greedy decoding runs on the continuous-batching engine; beam search (``--num-beams`` > 1)
-on HF ``generate`` (:mod:`serving.beam`). Predictions are cached per (checkpoint, model, task) as
-JSONL, row by row, tagged with how they were generated, so an interrupted evaluation resumes where it
-stopped. Then ROUGE-1/ROUGE-L/exact scores, the Personalization and Test-Time Personalization blocks
-(Markdown + JSON), and PNG plots (scores, score per round, FedDPA weight per task).
+section 4.3, or the run's fixed inference weight; a FedAMoLE client's own model, paper 002 App. D.1.1,
+or with ``amole_model`` ``aggregated`` the pool's ``amole:<client>``), else ``<client>:local`` or
+``global``, whichever the run serves. Greedy decoding runs on the continuous-batching engine; beam
+search (``--num-beams`` > 1) on HF ``generate`` (:mod:`serving.beam`). Predictions are cached per
+(checkpoint, model, task) as JSONL, row by row, tagged with how they were generated, so an interrupted
+evaluation resumes where it stopped. Then ROUGE-1/ROUGE-L/exact scores, the Personalization and
+Test-Time Personalization blocks (Markdown + JSON), and PNG plots (scores, score per round, FedDPA
+weight per task).
 
 ``--test`` scores the same clients and adapters on another test set (:mod:`.testsets`), e.g. tasks no
 client trained on (paper 000 Table 14); its outputs go to ``eval/test-sets/<name>/`` so the run's own
@@ -19,6 +21,7 @@ model is loaded, so a bad option fails in one line, not after the generations.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,13 +30,14 @@ from typing import Any
 from adapters.rundir import RunDir
 from fedmosaic.evaluation import plots, tables, testsets
 from fedmosaic.evaluation.backend import WEIGHTING, EvalBackend, EvalItem, tag_of
-from fedmosaic.evaluation.inputs import EvalSetupError, load_inputs
+from fedmosaic.evaluation.inputs import AMOLE_MODELS, EvalSetupError, amole_reading, load_inputs
 from fedmosaic.evaluation.predictions import PredictionCache, make_row
 from fedmosaic.evaluation.stack_backend import open_backend
 from fedmosaic.evaluation.testsets import TestSet
 from fedmosaic.evaluation.weights import weight_outputs
 from routing.embedding import check_pooling
 from routing.feddpa import VARIANTS, similarity_name
+from serving.pool.amole_run import aggregated_target
 from training.data import FederatedDataset, PromptConfig, prompt_texts
 from training.metrics import METRICS, Scores, score
 
@@ -66,6 +70,9 @@ class EvalOptions:
             Table 9); with an ablation and no ``feddpa_weighting`` the rule is the paper's.
         feddpa_variant: ``paper`` (``a`` weights the local adapter) or ``reference`` (the global one).
         feddpa_embedding: ``last`` token state (paper) or ``mean`` over the prompt's tokens (Table 10).
+        amole_model: a FedAMoLE client's model: ``local`` (its own model after its last local training,
+            paper 002 App. D.1.1) or ``aggregated`` (the server's pool after the last aggregation); None:
+            ``local`` when the run has the clients' own models (``export=local``), else ``aggregated``.
     """
 
     limit: int | None = None
@@ -86,8 +93,11 @@ class EvalOptions:
     feddpa_similarity: str = "cosine"
     feddpa_variant: str = "paper"
     feddpa_embedding: str = "last"
+    amole_model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.amole_model not in (None, *AMOLE_MODELS):
+            raise ValueError(f"amole_model must be one of {AMOLE_MODELS}, got {self.amole_model!r}")
         object.__setattr__(self, "feddpa_similarity", similarity_name(self.feddpa_similarity))
         if self.feddpa_variant not in VARIANTS:
             raise ValueError(f"feddpa_variant must be one of {VARIANTS}, got {self.feddpa_variant!r}")
@@ -111,16 +121,22 @@ class EvalOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def served_targets(models: Sequence[str], base_name: str, clients: Sequence[str]) -> dict[str, str]:
+def served_targets(models: Sequence[str], base_name: str, clients: Sequence[str],
+                   amole_model: str | None = None) -> dict[str, str]:
     """The served target of every model key: each client, ``global``, ``base``.
 
-    A client's personalized model is ``<client>`` when served (FedDPA mix, or whatever the resolver
-    serves under that name), else its local adapter, else the global adapter; clients with none are left out.
+    A client's personalized model is ``<client>`` when served (FedDPA mix, a FedAMoLE client's own
+    model, or whatever the resolver serves under that name), else its local adapter, else the global
+    adapter; clients with none are left out. With ``amole_model`` ``aggregated`` a FedAMoLE client is
+    its route in the aggregated pool (``amole:<client>`` where its own model takes ``<client>``), as it
+    is, last, for a client without its own model (one the last round did not select).
     """
     available = set(models)
     targets: dict[str, str] = {}
     for c in clients:
-        found = next((t for t in (c, f"{c}:local", "global") if t in available), None)
+        pooled = (aggregated_target(c),)
+        first = pooled if amole_model == "aggregated" else ()
+        found = next((t for t in (*first, c, f"{c}:local", "global", *pooled) if t in available), None)
         if found is not None:
             targets[c] = found
     if "global" in available:
@@ -152,6 +168,7 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     cfg = run.read_config()
     dataset, test_set = load_inputs(run, cfg, data=opts.data, test=opts.test, metric=opts.metric,
                                     limit=opts.limit)
+    amole = amole_reading(run, opts.amole_model)  # before the model loads: a bad choice fails first
     out = output_dir(run, opts.test)
     if backend is None:
         backend = open_backend(run, cfg, model=opts.model, dtype=opts.dtype, device=opts.device,
@@ -160,8 +177,12 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
                                samples=opts.feddpa_samples, mode=opts.feddpa_mode, rule=opts.feddpa_weighting,
                                similarity=opts.feddpa_similarity, variant=opts.feddpa_variant,
                                embedding=opts.feddpa_embedding)
-    targets = served_targets(backend.models(), backend.base_name, dataset.client_ids)
+    targets = served_targets(backend.models(), backend.base_name, dataset.client_ids, amole)
     clients = [c for c in dataset.client_ids if c in targets]
+    pooled = [c for c in clients if amole == "local" and targets[c] == aggregated_target(c)]
+    if pooled:
+        warnings.warn(f"FedAMoLE clients {pooled} have no own model (not selected in the last round): "
+                      "scored on the aggregated pool", stacklevel=2)
     if not clients:  # a backend that serves neither a client nor the global model: nothing personalised
         raise EvalSetupError(f"{run.root} serves no model for any client of {dataset.name!r} {dataset.client_ids}")
     described = {t: backend.describe(t) for t in set(targets.values())}
@@ -197,6 +218,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
         summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
+    if amole is not None:
+        summary["amole_model"] = amole
     if weights:
         summary["feddpa_weights"] = weight_outputs(out, weights, {c: dataset.task_of(c) for c in clients},
                                                    before if before.keys() == weights.keys() and before != weights

@@ -36,6 +36,27 @@ def run_clients(run: RunDir) -> set[str]:
     return clients
 
 
+AMOLE_MODELS = ("local", "aggregated")  # a FedAMoLE client's model: its own, or the aggregated pool
+
+
+def amole_reading(run: RunDir, asked: str | None) -> str | None:
+    """Which FedAMoLE model scores the run's clients: ``local`` or ``aggregated`` (None: not a FedAMoLE run).
+
+    ``local`` (paper 002 App. D.1.1: client i's local model at round R) is the default where training
+    wrote the clients' own models (``adapters/clients/<id>/amole``, ``export=local``).
+
+    Raises:
+        EvalSetupError: ``local`` asked for on a run without them.
+    """
+    if not (run.amole / ASSIGNMENTS).is_file():
+        return None
+    own = any((run.client_dir(c) / "amole" / ASSIGNMENTS).is_file() for c in run.clients())
+    if asked == "local" and not own:
+        raise EvalSetupError(f"{run.root} has no client's own FedAMoLE model (adapters/clients/<id>/amole: trained "
+                             "with export=aggregated, or before it existed): use --amole-model aggregated")
+    return asked or ("local" if own else "aggregated")
+
+
 def load_inputs(run: RunDir, cfg: dict[str, Any], *, data: str | None, test: str | None, metric: str,
                 limit: int | None) -> tuple[FederatedDataset, TestSet]:
     """The clients' data set carrying the test sets to score, and those test sets.

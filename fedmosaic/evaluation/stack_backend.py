@@ -82,6 +82,8 @@ class StackBackend:
         out: dict[str, Any] = {"target": target, "mode": plan.mode, "adapters": list(plan.names), "routed": routed,
                                "weights": None if routed else list(plan.weights), "decoding": decoding,
                                "max_new_tokens": self.max_new_tokens}
+        if plan.mode == "amole" and plan.info:  # a client's own model or the aggregated pool: never one cache
+            out["amole_model"] = plan.info.get("model")
         if routed:
             out["routing"] = dict(self.stack.info)
             if plan.mode == "feddpa" and plan.client is not None and self.run is not None:

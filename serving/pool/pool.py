@@ -138,6 +138,10 @@ class AdapterPool:
         """Adapters currently in the model (current versions only)."""
         return self.table.loaded_count()
 
+    def client_prefix(self, name: str) -> str:
+        """The prefix the AMoLE model ``name`` serves its clients under (kept after an unload)."""
+        return self.table.client_prefix(name)
+
     # --- paths ---------------------------------------------------------------------------------
 
     def resolve(self, path: str | Path) -> Path:
@@ -146,11 +150,14 @@ class AdapterPool:
 
     # --- registration --------------------------------------------------------------------------
 
-    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False,
+             client_prefix: str | None = None) -> AdapterInfo:
         """Load the PEFT folder ``path`` as ``name`` (a new version when ``replace`` reloads a name).
 
         ``path`` may also be a FedAMoLE folder or run directory: ``name`` then names the AMoLE model
-        and its clients are served under their own names.
+        and its clients are served under their own names, each prefixed with ``client_prefix``
+        (None: the prefix ``name`` was last loaded with, none at first; a run's aggregated pool
+        beside its clients' own models serves ``amole:<client>``, :mod:`serving.pool.amole_run`).
 
         Raises:
             AdapterExists: ``name`` (or one of an AMoLE model's clients) is registered and
@@ -163,8 +170,9 @@ class AdapterPool:
         if amole is None and (folder / "run.json").is_file():
             raise AdapterLoadFailed(f"{path} is a training run without FedAMoLE experts; serve FedDPA runs with "
                                     "`fedmosaic serve RUN_DIR`, or load their adapter folders one by one")
+        prefix = self.client_prefix(name) if client_prefix is None else client_prefix
         try:
-            clients = client_names(amole) if amole is not None else ()
+            clients = tuple(prefix + c for c in client_names(amole)) if amole is not None else ()
         except AdapterError as exc:
             raise AdapterLoadFailed(str(exc)) from exc
         table = self.table
@@ -178,6 +186,8 @@ class AdapterPool:
                 self._retire(old)
                 table.forget_clients(old)
             table.put(entry)
+            if amole is not None:
+                table.prefixes[name] = prefix
             return table.snapshot(entry)
 
     def register(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
@@ -287,8 +297,8 @@ class AdapterPool:
             table.touch(entry)
             assert entry.internal is not None
             keys.append(entry.internal)
-            if entry.kind == "amole":
-                route = self.amole.route(entry.internal, name)
+            if entry.kind == "amole":  # the served name less the model's prefix is the assignment's key
+                route = self.amole.route(entry.internal, name[len(table.prefixes.get(owner, "")):])
             else:
                 plain.append(entry.internal)
         for key in keys:

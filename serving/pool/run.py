@@ -1,7 +1,8 @@
 """A training run directory in the adapter pool: ``global``, each ``<client>:local``, the embedding files.
 
 :func:`register_run` is :meth:`serving.pool.pool.AdapterPool.load_run`: it registers the run's
-global adapter (pinned), its FedAMoLE model if it has one, and every client's local adapter, and
+global adapter (pinned), its FedAMoLE models if it has them (:mod:`serving.pool.amole_run`), and every
+client's local adapter, and
 records each client's embedding files for FedDPA routing (paper 000 section 4.3) without reading
 them. Local adapters are loaded while the pool has free slots and registered unloaded beyond that
 (:meth:`~serving.pool.pool.AdapterPool.register`; they load on first use like evicted ones), so a
@@ -12,35 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from adapters import AdapterError
 from adapters.rundir import RunDir
 from serving.errors import AdapterLoadFailed
-from serving.pool.amole import amole_folder
-from serving.pool.views import AdapterInfo
-
-
-class RunPool(Protocol):
-    """What :func:`register_run` needs of a pool (:class:`serving.pool.pool.AdapterPool` has it)."""
-
-    max_loras: int
-
-    def resolve(self, path: str | Path) -> Path:
-        """``path`` resolved inside the pool's root."""
-        ...
-
-    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
-        """Load the folder ``path`` as ``name`` now."""
-        ...
-
-    def register(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
-        """Register the folder ``path`` as ``name``, loaded when first used."""
-        ...
-
-    def loaded_count(self) -> int:
-        """Adapters in the model now."""
-        ...
+from serving.pool.amole import client_names
+from serving.pool.amole_run import register_amole
+from serving.pool.views import RunPool
 
 
 @dataclass(frozen=True)
@@ -64,6 +43,7 @@ class RunInfo:
     global_name: str | None
     clients: dict[str, ClientFiles] = field(default_factory=dict)
     amole: str | None = None  # the pool name of the run's AMoLE model (FedAMoLE runs)
+    amole_own: tuple[str, ...] = ()  # clients served by their own AMoLE model (``<client>:amole``)
 
 
 def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
@@ -88,10 +68,9 @@ def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) ->
         pool.load("global", run.global_adapter, pinned=pin_global, replace=True)
         global_name = "global"
     clients: dict[str, ClientFiles] = {}
-    if amole_folder(run.amole) is not None:
-        amole = "amole"
-        info = pool.load(amole, run.amole, pinned=True, replace=True)
-        clients.update((c, ClientFiles(c, None, None, None)) for c in info.clients)
+    amole, own = register_amole(pool, run)  # each client's own model, and the aggregated pool
+    if amole is not None:
+        clients.update((c, ClientFiles(c, None, None, None)) for c in client_names(run.amole))
     free = pool.max_loras - pool.loaded_count()
     for client in run.clients():
         local = None
@@ -109,4 +88,4 @@ def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) ->
     weight = config.get("inference_weight")
     return RunInfo(root=run.root, method=str(config.get("method", "")), base_model=str(config.get("model", "")),
                    inference_weight=float(weight) if isinstance(weight, int | float) else None,
-                   global_name=global_name, clients=clients, amole=amole)
+                   global_name=global_name, clients=clients, amole=amole, amole_own=own)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from serving.errors import AdapterExists
 
@@ -48,6 +48,30 @@ class Entry:
     clients: tuple[str, ...] = ()  # AMoLE: the clients it serves
 
 
+class RunPool(Protocol):
+    """What registering a run needs of a pool (:func:`serving.pool.run.register_run`, whose
+    :class:`serving.pool.pool.AdapterPool` has it; a protocol, so those modules never import the pool)."""
+
+    max_loras: int
+
+    def resolve(self, path: str | Path) -> Path:
+        """``path`` resolved inside the pool's root."""
+        ...
+
+    def load(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False,
+             client_prefix: str | None = None) -> AdapterInfo:
+        """Load the folder ``path`` as ``name`` now (an AMoLE model's clients under ``client_prefix``)."""
+        ...
+
+    def register(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> AdapterInfo:
+        """Register the folder ``path`` as ``name``, loaded when first used."""
+        ...
+
+    def loaded_count(self) -> int:
+        """Adapters in the model now."""
+        ...
+
+
 class AdapterTable:
     """The pool's records (entries by name, leases, retired versions) and its read-only views.
 
@@ -66,6 +90,7 @@ class AdapterTable:
         self.retired: set[str] = set()  # replaced or unloaded versions still leased
         self.versions: dict[str, int] = {}  # never reset, so a name's versions never repeat
         self.owners: dict[str, str] = {}  # AMoLE client name -> its entry's name
+        self.prefixes: dict[str, str] = {}  # AMoLE model name -> its clients' served-name prefix (kept on unload)
         self._tick = 0
 
     def touch(self, entry: Entry) -> None:
@@ -159,3 +184,9 @@ class AdapterTable:
         """Adapters currently in the model (current versions only)."""
         with self.state:
             return sum(e.internal is not None for e in self.entries.values())
+
+    def client_prefix(self, name: str) -> str:
+        """The prefix the AMoLE model ``name`` serves its clients under (kept after an unload, so a
+        reload from the same folder serves the same names)."""
+        with self.state:
+            return self.prefixes.get(name, "")

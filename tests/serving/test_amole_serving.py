@@ -285,15 +285,21 @@ def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:
     settings = ServeSettings(model="tiny", run_dir=trained_run, allow_runtime_lora=True)
     with TestClient(create_app(settings)) as client:
         wait_ready(client)
-        cards = client.get("/v1/models").json()["data"]
-        assert [c["id"] for c in cards] == ["tiny", "sorting", "capitals"]
-        assert cards[1]["fedmosaic"] == {"kind": "amole", "model": "amole", "version": 1, "loaded": True}
+        cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
+        # export=local: each client's own model serves its name, the aggregated pool amole:<client>
+        assert list(cards) == ["tiny", "capitals", "sorting", "amole:sorting", "amole:capitals"]
+        assert cards["sorting"]["fedmosaic"] == {"kind": "amole", "model": "sorting:amole", "version": 1,
+                                                 "loaded": True}
+        assert cards["amole:sorting"]["fedmosaic"] == {"kind": "amole", "model": "amole", "version": 1, "loaded": True}
         chat = {"model": "sorting", "max_tokens": 4, "temperature": 0,
                 "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}
         body = client.post("/v1/chat/completions", json=chat).json()
         ext = body["fedmosaic"]
         assert ext["mode"] == "amole" and ext["weights"] == {"sorting": 1.0}
         assert ext["info"]["client"] == "sorting" and ext["info"]["num_experts"] == 4
+        assert ext["info"]["model"] == "sorting:amole"
+        pooled = client.post("/v1/chat/completions", json={**chat, "model": "amole:sorting"}).json()
+        assert pooled["fedmosaic"]["info"]["model"] == "amole" and pooled["fedmosaic"]["info"]["client"] == "sorting"
         usage = ext["info"]["expert_usage"]
         assert usage["tokens"] == body["usage"]["completion_tokens"]
         assert len(usage["layers"]) == 4 and all(sum(c) == 2 * usage["tokens"] for c in usage["counts"].values())
@@ -303,11 +309,22 @@ def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:
         assert client.post("/v1/chat/completions", json={**chat, "model": "global"}).status_code == 404
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole"}).status_code == 409  # pinned
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "amole", "force": True}).status_code == 200
-        assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["tiny"]
+        assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["tiny", "capitals", "sorting"]
         taken = client.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(trained_run)})
         assert taken.status_code == 400 and taken.json()["error"]["code"] == "name_reserved"  # the run's clients
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "amole", "lora_path": str(trained_run)})
-        assert loaded.status_code == 200 and "version 2" in loaded.text
-        again = client.post("/v1/chat/completions", json=chat).json()
-        assert again["choices"][0]["message"] == body["choices"][0]["message"]
+        assert loaded.status_code == 200 and "version 2" in loaded.text  # restored under the names it served
+        again = client.post("/v1/chat/completions", json={**chat, "model": "amole:sorting"}).json()
+        assert again["choices"][0]["message"] == pooled["choices"][0]["message"]
         assert again["fedmosaic"]["info"]["version"] == 2
+        own = str(trained_run / "adapters" / "clients" / "sorting" / "amole")
+        for name in ("other", "capitals:amole"):  # the client's name is taken; the run's entry name is reserved
+            refused = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": own})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "name_reserved"
+        gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "sorting:amole", "force": True})
+        back = client.post("/v1/load_lora_adapter", json={"lora_name": "sorting:amole", "lora_path": own})
+        assert gone.status_code == 200 and back.status_code == 200  # the run's own folder restores it
+        restored = client.post("/v1/chat/completions", json=chat).json()
+        assert restored["choices"][0]["message"] == body["choices"][0]["message"]
+        assert restored["fedmosaic"]["info"]["version"] == 2
+        assert restored["fedmosaic"]["info"]["model"] == "sorting:amole"

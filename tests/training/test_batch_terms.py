@@ -19,7 +19,7 @@ from training.runtime import Runtime, TrainConfig
 
 DATA = generate_suite(n_train=4, n_test=1, families=["sorting"]).clients[0]
 TRAIN = TrainConfig(optimizer="sgd", lr=0.5, schedule="constant", batch_size=4, micro_batch_size=4, max_steps=1,
-                    cutoff_len=64, lora=LoraConfig(dropout=0.0))
+                    cutoff_len=64, lora=LoraConfig(dropout=0.0), max_grad_norm=None)  # SGD's move: -lr * gradient
 
 
 def _state(rt: Runtime, seed: int) -> dict[str, torch.Tensor]:

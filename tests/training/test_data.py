@@ -204,3 +204,22 @@ def test_read_records_without_outputs_only_when_asked(tmp_path: Path) -> None:
     write_jsonl(path, [{"instruction": "q", "output": 3}])
     with pytest.raises(DataError, match="field 'output' must be a string"):
         read_records(path, require_output=False)
+
+
+@pytest.mark.skipif(settings.data_dir() is None or not (settings.cache_dir() / "smollm2-135m-instruct").exists(),
+                    reason="benchmark data or the prepared SmolLM2 tokenizer not present")
+def test_every_presets_cutoff_keeps_every_training_example_of_both_feddpa_sets() -> None:
+    # at 192 / 256 tokens (the former small / medium) hellaswag lost 201 / 58 of its 300 training examples
+    from transformers import AutoTokenizer
+
+    from models.prepare import smollm2_dir
+    from training.data import PromptConfig, tokenize_record
+    from training.regime import BUDGETS
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    cutoff = min(b.cutoff_len for name, b in BUDGETS.items() if name != "tiny")  # tiny is the random tiny model's
+    for spec in ("feddpa1", "feddpa2"):
+        for c in load_dataset(spec).clients:
+            longest = max(len(tokenize_record(r, tok, 100_000, PromptConfig("alpaca_short")).input_ids)
+                          for r in c.train)
+            assert longest <= cutoff, (spec, c.task, longest)

@@ -21,6 +21,7 @@ from adapters.rundir import RunDir
 from models import LoadedModel, tiny_llama
 from routing.cache import EmbeddingIndex
 from tests.devicecheck import PRETEND, ShadowDevice
+from training import micro_batches
 from training.algorithms import get_method
 from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
 from training.data import generate_suite
@@ -33,6 +34,14 @@ TRAIN = preset("tiny", max_steps=2)
 # round 1 for the methods whose local step starts there; FedAMoLE's round 0 draws random assignments
 CASES = {"fedit": ({}, 0), "fedprox": ({"mu": 0.5}, 0), "feddpa-t": ({}, 1), "fedoa": ({}, 1), "fedmcp": ({}, 0),
          "fedamole": ({"num_experts": 4, "max_experts": 3, "expert_choices": 2}, 0), "local": ({}, 0)}
+
+
+@pytest.fixture(autouse=True)
+def _one_grouping_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU may split a step into more forwards than a GPU (``training.micro_batches.forward_cost``), and
+    LoRA dropout's masks follow the forwards: both runs here take the GPU's policy, so they compare like
+    with like (the grouping itself is tested in test_micro_batches.py)."""
+    monkeypatch.setattr(micro_batches, "forward_cost", lambda device: None)
 
 
 def _fit(method: str, shadow: ShadowDevice | None,

@@ -102,7 +102,10 @@ def test_train_config_defaults_are_the_papers_and_presets_validate() -> None:
     cfg = TrainConfig()
     assert (cfg.lr, cfg.batch_size, cfg.cutoff_len, cfg.optimizer) == (3e-4, 32, 512, "adamw")
     assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (8, 16, 0.05)
-    assert PRESETS["small"].batch_size == 8 and PRESETS["small"].max_steps is not None
+    assert cfg.max_grad_norm == 1.0  # the reference code's HF Trainer clips at 1.0
+    # a budget is a fraction of the epochs (never a flat step cap) at a capped batch
+    assert PRESETS["small"].batch_size == 8 and PRESETS["small"].max_steps is None
+    assert 0 < PRESETS["small"].local_epochs < 1
     assert TrainConfig.from_dict(cfg.asdict()) == cfg
     assert preset("small", lr=1e-3, cutoff_len=None).lr == 1e-3
     with pytest.raises(ValueError, match="optimizer"):

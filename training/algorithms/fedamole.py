@@ -22,11 +22,16 @@ eq. (17) needs the token projection the ablation removes). Uploaded embeddings c
 (Appendix C.2) with ``embed_noise=<sigma>`` (Gaussian) or ``dp_noise=true`` (the reference's
 mechanism, rate ``dp_eta``), drawn from (seed, round, client) so training itself is unchanged.
 
-The exported model (``export``; the paper does not say which it evaluates): ``aggregated`` (default) is
-the server's pool after the last aggregation, one servable ``adapters/amole`` folder; ``local`` adds
-each client's last-round locally trained experts, shared expert and token projections before
-aggregation (``adapters/clients/<id>/amole``), which is what the reference code evaluates (its MTAL is
-measured on each client's model right after local training, METHODS.md 1.9).
+The exported model (``export``): ``local`` (default) writes, besides the server's pool, each client's
+last-round locally trained experts, shared expert and token projections before aggregation
+(``adapters/clients/<id>/amole``): paper App. D.1.1 scores "client i's local model at round R", and the
+reference code measures MTAL on each client's model right after local training (METHODS.md 1.9);
+``aggregated`` writes only the server's pool after the last aggregation (one servable folder).
+
+The expert pool scales with the clients: ``num_experts`` defaults to 3 per client in the simulator
+(:data:`EXPERTS_PER_CLIENT`), so each client holds ``3 * k_c = 6`` experts per module on average, the
+paper's 30 experts over 10 clients (24 for FedDPA's 8; 30 over 8 would leave RSEA little freedom under the
+8-per-client cap); the Flower runtime and direct uses of :class:`AMoLEConfig` keep the paper's 30.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from adapters.amole import load_balance_loss
 from adapters.amole_layer import SHARED, add_amole_experts, expert_name
 from adapters.amole_routing import AMoLERouting
 from training.data import collate
+from training.lm_forward import lm_forward
 from training.local_train import LossFn, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
 from training.regime import Regime
@@ -66,6 +72,14 @@ EMB = "emb."
 REGIME = Regime(optimizer="adam", lr=5e-5, schedule="constant", round_decay=0.99, batch_size=1, local_epochs=1,
                 max_steps=200, rounds=30, source="paper 002 App. D.1.2 (Adam, batch 1, x0.99/round); "
                 "lr 5e-5, 200 steps, 30 rounds: reference code")
+
+
+EXPERTS_PER_CLIENT = 3  # paper 002 App. D: 30 experts for 10 clients, k_c = 2: a mean of 6 per client-module
+
+
+def client_defaults(n_clients: int) -> dict[str, Any]:
+    """The expert count for ``n_clients``: the paper's 30 / 10 per client."""
+    return {"num_experts": EXPERTS_PER_CLIENT * n_clients}
 
 
 def ensure_experts(rt: Runtime, cfg: AMoLEConfig, seed: int) -> None:
@@ -244,7 +258,8 @@ def amole_loss(cfg: AMoLEConfig, assignment: Mapping[str, list[int]]) -> LossFn:
         routing = AMoLERouting(groups=(dict(assignment),), row_group=rows, top_k=cfg.top_k,
                                shared=cfg.shared_expert, router=cfg.router)
         with rt.adapted.context.route_tokens(routing):
-            out = rt.model(**batch)
+            out = lm_forward(rt.model, batch)
+        assert out.loss is not None
         tokens = batch["attention_mask"].reshape(-1).bool()  # gates are (B*T, E), row-major
         lb = torch.stack([load_balance_loss(g, idx, tokens) for _, g, idx in routing.stats]).sum()
         return out.loss + cfg.load_balance_alpha * lb, {"load_balance": float(lb.detach())}
@@ -302,7 +317,7 @@ class FedAMoLEClient(ClientAlgorithm):
                                    top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe,
                                    router=self.cfg.router)
             with torch.inference_mode(), rt.adapted.context.route_tokens(routing):
-                rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                lm_forward(rt.model, batch, with_loss=False)  # the adapted layers observe; no head needed
         # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
         noise_seed = derive_seed(ctx.seed, "embed-noise", round_idx, ctx.client_id)
         gen, rng = torch.Generator(device="cpu").manual_seed(noise_seed), np.random.default_rng(noise_seed)
@@ -369,6 +384,6 @@ FEDAMOLE = Method(
     name="fedamole", strategy=lambda o: FedAMoLEStrategy(_cfg(o), int(o.get("seed", 0))),
     client=lambda o: FedAMoLEClient(_cfg(o), int(o.get("seed", 0))),
     defaults={"num_experts": 30, "expert_choices": 2, "top_k": 2, "min_experts": 2, "max_experts": 8,
-              "load_balance_alpha": 0.001, "assignment": "rsea", "export": "aggregated", "router": "amole"},
-    export=export, regime=REGIME,
+              "load_balance_alpha": 0.001, "assignment": "rsea", "export": "local", "router": "amole"},
+    export=export, regime=REGIME, client_defaults=client_defaults,
 )

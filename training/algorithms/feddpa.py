@@ -1,12 +1,14 @@
 """FedDPA-F and FedDPA-T: a shared global adapter plus a private local adapter (paper 000, section 4).
 
-FedDPA-T as implemented here (paper Algorithm 2 with the reference code's order, METHODS.md 2.2):
-round 0 trains only the global adapter (FedIT). From round 1, each selected client first trains its
-local adapter beside the frozen received global with the forward
+FedDPA-T as implemented here (paper Algorithm 2, METHODS.md 2.2): in every round, round 0 included,
+each selected client first trains its local adapter beside the frozen received global with the forward
 ``W0 x + (1 - alpha) dW_global x (detached) + alpha dW_local x``; the local adapter starts fresh (B = 0)
-at round 1 and is the client's private state afterwards. The client then trains the global adapter
-alone from the received global and uploads only that; the server averages with equal weights.
-alpha = 0.5 (dataset 1; 0.3 for dataset 2) and at inference lambda = alpha.
+at the client's first round and is its private state afterwards. The client then trains the global
+adapter alone from the received global and uploads only that; the server averages with equal weights.
+(Both phases start from the received global, so their order does not matter.) ``local_from=1`` is the
+reference code's reading: round 0 trains only the global (FedIT) and the local adapter starts at
+round 1. alpha = 0.5 on dataset 1 and 0.3 on dataset 2 (``--data feddpa2`` sets it, paper 000 s5.1);
+at inference lambda = alpha.
 
 ``mu > 0`` runs either variant inside FedProx (paper 000 Table 8: FedDPA's local adapters on top of a
 FedProx global): the global step adds ``mu/2 ||theta - theta_g||^2`` toward the received global.
@@ -29,15 +31,15 @@ from training.robust import RobustConfig
 class FedDPATClient(ClientAlgorithm):
     """Client of FedDPA-T: local step beside the frozen global, then the global step; uploads the global."""
 
-    def __init__(self, alpha: float = 0.5, mu: float = 0.0) -> None:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"FedDPA-T alpha must be in [0, 1], got {alpha}")
-        self.alpha = alpha
+    def __init__(self, alpha: float = 0.5, mu: float = 0.0, local_from: int = 0) -> None:
+        if not 0.0 <= alpha <= 1.0 or local_from not in (0, 1):
+            raise ValueError(f"FedDPA-T needs alpha in [0, 1] and local_from 0 or 1, got {alpha}, {local_from}")
+        self.alpha, self.local_from = alpha, local_from
         self.prox = FedAvgClient(mu)  # mu = 0: FedIT's global step; mu > 0: FedProx's (Table 8)
 
     def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
         metrics: dict[str, float] = {}
-        if ins.round > 0:
+        if ins.round >= self.local_from:
             ctx.runtime.set("global", ins.state)
             start = ctx.private.get("local") or fresh_local(ctx)
             metrics.update(train_local(ctx, ins.round, start, names=("global", "local"),
@@ -54,9 +56,11 @@ def _strategy(o: Mapping[str, Any]) -> Strategy:
 
 FEDDPA_T = Method(
     name="feddpa-t", strategy=_strategy,
-    client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5)), mu=float(o.get("mu", 0.0))),
+    client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5)), mu=float(o.get("mu", 0.0)),
+                                   local_from=int(o.get("local_from", 0))),
     has_local=True, instance_weighting=True,
-    inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal", "mu": 0.0}, inference_option="alpha",
+    inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal", "mu": 0.0, "local_from": 0},
+    inference_option="alpha", data_defaults={"feddpa2": {"alpha": 0.3}},
 )
 FEDDPA_F = Method(
     name="feddpa-f", strategy=_strategy, client=lambda o: FineTuneClient(mu=float(o.get("mu", 0.0))), has_local=True,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from training.aggregate import Weighting, aggregate_results
-from training.local_train import LossFn, lm_loss, train_adapters
+from training.local_train import LossFn, length_grouped, lm_loss, train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
 from training.regime import BASELINE_REGIME
 from training.robust import RobustConfig, robust_aggregate
@@ -76,6 +76,7 @@ class FedAvgClient(ClientAlgorithm):
             return lm_loss
         on_device: dict[str, torch.Tensor] = {}  # the received tensors, copied to the model's device once
 
+        @length_grouped  # the proximal term is the step's: its row shares sum to one however rows are grouped
         def prox(rt: Runtime, batch: dict[str, torch.Tensor], names, weights):
             loss, extra = lm_loss(rt, batch, names, weights)
             params = rt.params("global")

@@ -1,11 +1,16 @@
 """FedOA (paper 001): a private adapter regularised toward the global one's features.
 
-Like FedDPA-T (round 0 global only; then local step, then global step; only the global uploaded),
+Like FedDPA-T (every round, round 0 included, as Algorithm 1: local step, then global step; only the
+global uploaded; ``local_from=1`` is the reference code's reading, the local adapter from round 1),
 but the local adapter runs alone, with ``loss = CE_local + lambda * D(E_local, E_global)`` where E is
 the final-layer state of the last token (global features detached, METHODS.md 3.1); D is the
 reference's Frobenius norm over the batch (``l2``, the paper) or ``cosine`` / ``pearson``; lambda 0.5.
 The batch is the optimizer step's whole logical batch (:class:`FedOALoss`), so D's strength does not
-change with ``--micro-batch-size`` (the unsquared norm grows with the square root of the rows it covers).
+change with ``--micro-batch-size``. The unsquared norm grows with the square root of the rows it covers,
+so a preset's smaller batch would weaken lambda (to 0.5x at batch 8): ``l2`` is scaled by
+``sqrt(norm_batch / rows)`` with ``norm_batch`` = 32, the paper's batch, so at the paper's batch it is the
+reference's value exactly and at any other batch it keeps the paper's weight; ``norm_batch=0`` turns
+the scaling off (the reference's value at every batch size).
 At inference the client uses its local adapter (intra-client), so the mixture weight is 1.
 """
 
@@ -20,6 +25,7 @@ from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import fresh_local
 from training.batch_terms import SplitTerm, eval_mode, micro_share, split_term
 from training.features import feature_distance, last_token
+from training.lm_forward import lm_forward
 from training.local_train import train_adapters
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
 from training.regime import Regime
@@ -34,14 +40,13 @@ REGIME = Regime(local_epochs=2, source="paper 001 s5.1 + App. C (K=2 epochs, bat
 def _features(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None,
               labels: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(LM loss or None, last-token final-layer features (B, H)); ``adapter`` None keeps the caller's context."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    kwargs = {"labels": batch["labels"]} if labels else {}
+    mask = batch["attention_mask"]
     if adapter is None:
-        out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
+        out = lm_forward(rt.model, batch, with_loss=labels)
     else:
-        with rt.adapted.context.use((adapter,), torch.ones(ids.shape[0], 1, device=ids.device), trainable=()):
-            out = rt.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs)
-    return (out.loss if labels else None), last_token(out.hidden_states[-1], mask)
+        with rt.adapted.context.use((adapter,), torch.ones(mask.shape[0], 1, device=mask.device), trainable=()):
+            out = lm_forward(rt.model, batch, with_loss=labels)
+    return out.loss, last_token(out.hidden, mask)
 
 
 class FedOALoss:
@@ -52,13 +57,18 @@ class FedOALoss:
     A :class:`training.local_train.BatchLoss`; the local adapter is on in the caller's context.
     """
 
-    def __init__(self, lam: float, distance: str) -> None:
-        self.lam, self.distance = lam, distance
+    length_grouped = True  # its LM loss reads the rows' weights; D is the whole step's
+
+    def __init__(self, lam: float, distance: str, norm_batch: int = 0) -> None:
+        self.lam, self.distance, self.norm_batch = lam, distance, norm_batch
         self._split: SplitTerm | None = None
         self._index = 0
 
     def _term(self, local: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
-        return self.lam * feature_distance(local, glob.detach(), self.distance)
+        d = feature_distance(local, glob.detach(), self.distance)
+        if self.distance == "l2" and self.norm_batch:  # the Frobenius norm grows like sqrt(rows)
+            d = d * (self.norm_batch / local.shape[0]) ** 0.5
+        return self.lam * d
 
     def begin_step(self, rt: Runtime, batches: Sequence[dict[str, torch.Tensor]], names: Sequence[str],
                    weights: torch.Tensor) -> None:
@@ -86,28 +96,29 @@ class FedOALoss:
         return loss + reg, {"reg": float(reg.detach())}
 
 
-def fedoa_loss(lam: float, distance: str) -> FedOALoss:
+def fedoa_loss(lam: float, distance: str, norm_batch: int = 0) -> FedOALoss:
     """The FedOA objective as a :data:`training.local_train.LossFn` (local adapter on in the context)."""
-    return FedOALoss(lam, distance)
+    return FedOALoss(lam, distance, norm_batch)
 
 
 class FedOAClient(ClientAlgorithm):
     """Client of FedOA: regularised local step (local alone), then the global step."""
 
-    def __init__(self, lam: float = 0.5, distance: str = "l2") -> None:
-        if lam < 0 or distance not in ("l2", "cosine", "pearson"):
-            raise ValueError(f"FedOA needs lambda >= 0 and distance in l2/cosine/pearson, got {lam}, {distance!r}")
-        self.lam, self.distance = lam, distance
+    def __init__(self, lam: float = 0.5, distance: str = "l2", local_from: int = 0, norm_batch: int = 32) -> None:
+        if lam < 0 or distance not in ("l2", "cosine", "pearson") or local_from not in (0, 1) or norm_batch < 0:
+            raise ValueError(f"FedOA needs lambda >= 0, distance in l2/cosine/pearson, local_from 0 or 1 and "
+                             f"norm_batch >= 0, got {lam}, {distance!r}, {local_from}, {norm_batch}")
+        self.lam, self.distance, self.local_from, self.norm_batch = lam, distance, local_from, norm_batch
 
     def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
         metrics: dict[str, float] = {}
         rt = ctx.runtime
-        if ins.round > 0:
+        if ins.round >= self.local_from:
             rt.set("global", ins.state)
             rt.set("local", ctx.private.get("local") or fresh_local(ctx))
             res = train_adapters(rt, rt.examples(ctx.data), ["local"], ["local"], [1.0],
                                  seed=derive_seed(ctx.seed, ins.round, ctx.client_id, "local"),
-                                 loss_fn=fedoa_loss(self.lam, self.distance),
+                                 loss_fn=fedoa_loss(self.lam, self.distance, self.norm_batch),
                                  desc=f"r{ins.round} {ctx.client_id} local", round_idx=ins.round)
             ctx.private["local"] = rt.get("local")
             metrics.update({f"local_{k}": v for k, v in res.metrics().items()})
@@ -123,7 +134,9 @@ def _strategy(o: Mapping[str, Any]) -> Strategy:
 
 FEDOA = Method(
     name="fedoa", strategy=_strategy,
-    client=lambda o: FedOAClient(lam=float(o.get("lambda", 0.5)), distance=str(o.get("distance", "l2"))),
-    has_local=True, inference_weight=1.0, defaults={"lambda": 0.5, "distance": "l2", "weighting": "equal"},
+    client=lambda o: FedOAClient(lam=float(o.get("lambda", 0.5)), distance=str(o.get("distance", "l2")),
+                                 local_from=int(o.get("local_from", 0)), norm_batch=int(o.get("norm_batch", 32))),
+    has_local=True, inference_weight=1.0,
+    defaults={"lambda": 0.5, "distance": "l2", "weighting": "equal", "local_from": 0, "norm_batch": 32},
     regime=REGIME,
 )
