@@ -29,6 +29,7 @@ import torch
 from models import LoadedModel
 from training.data import IGNORE, ClientData, Example, FederatedDataset, collate
 from training.data.partition import hold_out
+from training.lm_forward import lm_forward, shifted_targets
 from training.local_train import train_adapters
 from training.protocol import derive_seed
 from training.runtime import Runtime, TrainConfig
@@ -70,14 +71,15 @@ def validation_loss(rt: Runtime, examples: Sequence[Example], names: Sequence[st
     batch_size = rt.train.micro_batch_size
     for start in range(0, len(examples), batch_size):
         batch = collate(list(examples[start:start + batch_size]), pad_id=rt.tokenizer.pad_token_id, device=rt.device)
+        count = int((shifted_targets(batch["labels"]) != IGNORE).sum())
+        if count == 0:  # no response token within the cutoff: nothing to score
+            continue
         w = torch.ones(batch["input_ids"].shape[0], len(names), device=rt.device)
         with rt.adapted.context.use(tuple(names), w, trainable=()), rt.loaded.autocast():
-            logits = rt.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]  # (B, T-1): next-token targets
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE,
-                                                 reduction="sum")
-        total += float(loss)
-        tokens += int((labels != IGNORE).sum())
+            mean = lm_forward(rt.model, batch).loss  # the batch's mean over its labelled tokens
+        assert mean is not None
+        total += float(mean) * count
+        tokens += count
     return total / max(1, tokens)
 
 
