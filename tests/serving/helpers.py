@@ -1,10 +1,13 @@
-"""Shared helpers for the serving tests: adapters whose random B makes them change the outputs."""
+"""Shared helpers for the serving tests: adapters whose random B makes them change the outputs, and waiting
+for an app to be ready."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
+from fastapi.testclient import TestClient
 
 from adapters import AdaptedModel, LoraConfig, inject, save_adapter
 from models import LoadedModel
@@ -40,3 +43,13 @@ def write_adapter(tiny: LoadedModel, folder: Path, seed: int) -> Path:
     finally:
         adapted.remove()
     return folder
+
+
+def wait_ready(client: TestClient, seconds: float = 30.0) -> None:
+    """Poll ``/health`` until the app answers 200 (the stack loads in its own thread)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if client.get("/health").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError(client.get("/health").json())

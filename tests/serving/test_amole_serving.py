@@ -4,7 +4,6 @@ expert-usage counts, hot reload of a run with versions, and the HTTP API on a tr
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from serving.errors import AdapterExists, AdapterNotFound, InvalidRequest
 from serving.pool import AdapterPool
 from serving.settings import ServeSettings
 from serving.targets import TargetResolver
-from tests.serving.helpers import write_adapter
+from tests.serving.helpers import wait_ready, write_adapter
 
 NUM_EXPERTS = 6
 PROMPTS = {"c0": "Sort these words", "c1": "The capital of France is", "c2": "twelve plus seven"}
@@ -271,14 +270,6 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                   out, SimConfig(rounds=1), preset("tiny"), {"num_experts": 4}, data_spec="generated",
                   model_name="tiny")
     return out
-
-
-def wait_ready(client: TestClient) -> None:
-    for _ in range(300):
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError(client.get("/health").json())
 
 
 def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:

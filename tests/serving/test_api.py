@@ -18,7 +18,7 @@ from models import tiny_llama
 from serving.api import create_app
 from serving.api.app import in_own_thread
 from serving.settings import ServeSettings
-from tests.serving.helpers import write_adapter
+from tests.serving.helpers import wait_ready, write_adapter
 
 KEY = "sk-test"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "The capital of France"}], "max_tokens": 6}
@@ -36,14 +36,6 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_adapter(tiny, root / "extra", seed=5)
     write_adapter(tiny, root.parent / "outside", seed=6)
     return root
-
-
-def wait_ready(client: TestClient) -> None:
-    for _ in range(300):
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError(client.get("/health").json())
 
 
 @pytest.fixture(scope="module")

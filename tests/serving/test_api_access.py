@@ -17,7 +17,7 @@ from serving.access import AccessConfigError, KeyRing
 from serving.api import create_app
 from serving.cli import add_serve_arguments, settings_from_args
 from serving.settings import ServeSettings
-from tests.serving.helpers import write_adapter
+from tests.serving.helpers import wait_ready, write_adapter
 
 USER, ADMIN, SORTING, MODELS = "sk-user", "sk-admin", "sk-sorting", "sk-models"
 CHAT = {"messages": [{"role": "user", "content": "Sort: pear, apple"}], "max_tokens": 2, "temperature": 0}
@@ -43,14 +43,6 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"key": SORTING, "clients": ["sorting"], "name": "sorting"},
         {"key": MODELS, "models": ["global", "extra"]}]}))
     return root
-
-
-def wait_ready(client: TestClient) -> None:
-    for _ in range(300):
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError(client.get("/health").json())
 
 
 @pytest.fixture(scope="module")

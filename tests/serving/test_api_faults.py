@@ -18,17 +18,10 @@ from fastapi.testclient import TestClient
 
 from serving.api import create_app
 from serving.settings import ServeSettings
+from tests.serving.helpers import wait_ready
 
 NORMAL = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "temperature": 0}
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_ready(client: TestClient) -> None:
-    for _ in range(300):
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError(client.get("/health").json())
 
 
 @pytest.fixture()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from models import tiny_llama
 from routing.feddpa_options import FedDPAOptions
 from serving.api.app import create_app
 from serving.settings import ServeSettings
+from tests.serving.helpers import wait_ready
 from training.data import generate_suite
 from training.runtime import preset
 from training.simulation import SimConfig, run_federated
@@ -35,17 +35,9 @@ def serve(run_dir: Path, routing: str, **settings: object) -> TestClient:
                                                **settings)))  # type: ignore[arg-type]
 
 
-def ready(client: TestClient) -> None:
-    for _ in range(300):
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError(client.get("/health").json())
-
-
 def test_instance_weights_follow_the_paper_rule(run_dir: Path) -> None:
     with serve(run_dir, "instance", routing_details="all") as client:
-        ready(client)
+        wait_ready(client)
         body = client.post("/v1/chat/completions", json={
             "model": "sorting", "max_tokens": 3, "temperature": 0,
             "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}).json()
@@ -64,7 +56,7 @@ def test_calibrated_weights_by_default_from_the_clients_own_calibration(run_dir:
     from routing.calibration import Calibration
 
     with serve(run_dir, "instance", feddpa_weighting=None, routing_details="all") as client:
-        ready(client)
+        wait_ready(client)
         body = client.post("/v1/chat/completions", json={
             "model": "sorting", "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}).json()
@@ -78,7 +70,7 @@ def test_calibrated_weights_by_default_from_the_clients_own_calibration(run_dir:
 
 def test_fixed_mode_uses_the_runs_alpha(run_dir: Path) -> None:
     with serve(run_dir, "fixed") as client:
-        ready(client)
+        wait_ready(client)
         body = client.post("/v1/chat/completions", json={
             "model": "capitals", "max_tokens": 2, "messages": [{"role": "user", "content": "Capital of Peru?"}]}).json()
         assert body["fedmosaic"]["weights"] == {"global": 0.5, "capitals:local": 0.5}
@@ -126,7 +118,7 @@ SORT = {"model": "sorting", "max_tokens": 2, "temperature": 0,
 def test_routing_details_are_for_admin_keys_by_default(run_dir: Path) -> None:
     """Privacy default: a user sees the mode and the weights, never the similarity to stored instances."""
     with serve(run_dir, "instance", api_keys=["user"], admin_keys=["admin"]) as client:
-        ready(client)
+        wait_ready(client)
         user = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer user"}).json()
         admin = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer admin"}).json()
     assert user["fedmosaic"]["info"] == {"source": "instance", "mode": "random"}
@@ -134,7 +126,7 @@ def test_routing_details_are_for_admin_keys_by_default(run_dir: Path) -> None:
     assert user["fedmosaic"]["weights"] == pytest.approx(admin["fedmosaic"]["weights"], abs=1e-6)
     assert {"mean_similarity", "S", "lambda", "a"} <= set(admin["fedmosaic"]["info"])
     with serve(run_dir, "instance", routing_details="none", admin_keys=["admin"]) as client:
-        ready(client)
+        wait_ready(client)
         hidden = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer admin"}).json()
     assert "mean_similarity" not in hidden["fedmosaic"]["info"]
 
@@ -149,7 +141,7 @@ def test_a_reloaded_clients_index_is_read_again(run_dir: Path, tmp_path: Path) -
     shutil.copytree(run_dir, run)
     folder = run / "adapters" / "clients" / "sorting"
     with serve(run, "instance", routing_details="all", admin_keys=["admin"]) as client:
-        ready(client)
+        wait_ready(client)
         auth = {"Authorization": "Bearer admin"}
         before = client.post("/v1/chat/completions", json=SORT, headers=auth).json()["fedmosaic"]["info"]
         EmbeddingIndex(-EmbeddingIndex.load(folder).raw).save(folder)  # retrained: other instances
@@ -177,7 +169,7 @@ def test_a_clients_broken_calibration_is_the_servers_fault_and_spares_the_others
     path = run / "adapters" / "clients" / "capitals" / CALIBRATION_FILE
     path.write_text(json.dumps({**json.loads(path.read_text()), "shrinkage": 5}))
     with serve(run, "instance", feddpa_weighting=None) as client:
-        ready(client)
+        wait_ready(client)
         broken = client.post("/v1/chat/completions", json={
             "model": "capitals", "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "Capital of Peru?"}]})
@@ -190,7 +182,7 @@ def test_a_clients_broken_calibration_is_the_servers_fault_and_spares_the_others
 def test_feddpa_prefill_exact_runs_the_prompt_twice_and_once_keeps_the_routing_pass(run_dir: Path,
                                                                                     prefill: str) -> None:
     with serve(run_dir, "instance", feddpa_prefill=prefill) as client:
-        ready(client)
+        wait_ready(client)
         engine = client.app.state.server.engine  # type: ignore[attr-defined]
         seen: list[int] = []
         engine.step_observers.append(lambda report: seen.append(report.prefill_tokens))

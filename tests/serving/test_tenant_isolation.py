@@ -9,7 +9,6 @@ reused prefix saves). The guess sharing more of B's prompt reused more: B's PIN 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from fastapi.testclient import TestClient
 from models import tiny_llama
 from serving.api.app import create_app
 from serving.settings import ServeSettings
+from tests.serving.helpers import wait_ready
 from training.data import generate_suite
 from training.runtime import preset
 from training.simulation import SimConfig, run_federated
@@ -47,18 +47,10 @@ def serve(root: Path, **settings: object) -> TestClient:
                                                **settings)))  # type: ignore[arg-type]
 
 
-def ready(client: TestClient) -> None:
-    for _ in range(600):
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise AssertionError(client.get("/health").json())
-
-
 @pytest.fixture(scope="module")
 def client(root: Path) -> Iterator[TestClient]:
     with serve(root, admin_keys=[ADMIN]) as client:
-        ready(client)
+        wait_ready(client)
         yield client
 
 
@@ -130,7 +122,7 @@ def test_tenants_share_the_chat_template_and_nothing_after_it(client: TestClient
 def test_metrics_need_the_admin_key_whenever_keys_are_configured(root: Path) -> None:
     (root / "users.txt").write_text(f"{UNBOUND}\n")
     with serve(root, api_key_file=root / "users.txt", allow_runtime_lora=True) as client:  # users, no admin key
-        ready(client)
+        wait_ready(client)
         for key in (UNBOUND, TENANT_A):
             assert client.get("/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 403
         assert client.get("/metrics").status_code == 401
