@@ -56,6 +56,19 @@ def _load(model: str, device: str | None, dtype: str | None) -> LoadedModel:
     return load_base_model(model, dtype=dtype, device=device)  # type: ignore[arg-type]
 
 
+def as_transformers_loads_it(loaded: LoadedModel) -> LoadedModel:
+    """The plain loop's model as ``from_pretrained`` gives it: float32 weights, cast by autocast on every call.
+
+    ``load_base_model`` stores an ``autocast-bf16`` model's linear weights in bfloat16 once
+    (:func:`models.loading.store_linear_bf16`); the values autocast computes with are the same either way,
+    so the two loops' losses still agree, and the plain loop pays the per-call casts a user's loop pays.
+    """
+    for module in loaded.model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16 and loaded.dtype != "bfloat16":
+            module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
+    return loaded
+
+
 def _sync(device: torch.device) -> None:
     """Wait for the device's queued work, so a wall-clock time covers it (a no-op on the CPU)."""
     if device.type == "cuda":
@@ -205,7 +218,7 @@ def main() -> None:
     # Warm-up: first forward/backward pays one-off allocation and kernel selection costs.
     protocol_round("fedit", ours, clients[:1], 0, args.seed)
     # a second copy: our injection wraps the first model's Linears
-    plain_loaded = _load(args.model, args.device, args.dtype)
+    plain_loaded = as_transformers_loads_it(_load(args.model, args.device, args.dtype))
     plain_model = peft_model(plain_loaded, train)
     fedit = get_method("fedit")
     start_state = fedit.strategy({**fedit.defaults, "seed": args.seed}).initial_state(ours)

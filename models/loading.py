@@ -121,6 +121,34 @@ def frozen(model: torch.nn.Module, tokenizer: object, name: str, dtype: settings
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
+    if dtype == "autocast-bf16":
+        store_linear_bf16(model)
     if getattr(tokenizer, "pad_token", None) is None:
         tokenizer.pad_token = tokenizer.eos_token  # type: ignore[attr-defined]
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)
+
+
+def store_linear_bf16(model: torch.nn.Module) -> int:
+    """Store the frozen ``nn.Linear`` weights of an ``autocast-bf16`` model in bfloat16, once.
+
+    Under bf16 autocast every linear layer casts its float32 weight to bfloat16 on each call (and keeps
+    the copy for the backward pass): the same rounding, paid once per forward. Stored in bfloat16, the
+    cast is a no-op, so every forward and gradient is bit-identical and the weights take half the memory.
+    Embeddings, norms and a head tied to the input embeddings stay float32: they feed the float32
+    residual stream and lookups, which autocast does not touch.
+
+    Args:
+        model: the frozen causal LM.
+
+    Returns:
+        The number of weights re-stored.
+    """
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = {id(embeddings.weight)} if embeddings is not None else set()
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in tied \
+                and module.weight.dtype == torch.float32 and not module.weight.requires_grad:
+            module.weight = torch.nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+            count += 1
+    return count
