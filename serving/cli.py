@@ -70,6 +70,9 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="largest adapter rank the fused runner serves; larger ones run on the HF forward (default 16)")
     p.add_argument("--prefix-cache-slots", type=int, default=None,
                    help="recent prompts whose KV later prompts sharing a prefix reuse (default 4; 0: off)")
+    p.add_argument("--route-state-cache", type=int, default=None,
+                   help="FedDPA routing states remembered by prompt: the same prompt for another client skips its "
+                        "routing pass (default 4096; 0: off)")
     p.add_argument("--request-timeout", type=_timeout, default=None,
                    help="seconds before a request is cancelled and answered 504; 'none' for no deadline (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=None,
@@ -115,6 +118,7 @@ _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype":
             "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",
             "max_waiting": "max_waiting", "max_prefill_tokens": "max_prefill_tokens",
             "max_decode_skips": "max_decode_skips", "prefix_cache_slots": "prefix_cache_slots",
+            "route_state_cache": "route_state_cache",
             "max_lora_rank": "max_lora_rank",
             "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
             "exit_on_engine_failure": "exit_on_engine_failure", "count_syncs": "count_syncs",

@@ -60,6 +60,9 @@ class ServeSettings(BaseSettings):
                                "adapter runs on the HF forward")
     prefix_cache_slots: int = Field(4, ge=0, description="recent prompts whose KV later prompts sharing a prefix "
                                                          "under the same adapter weights reuse (0: off)")
+    route_state_cache: int = Field(4096, ge=0, description="FedDPA routing states remembered by prompt (per tenant "
+                                                          "and adapter version): the same prompt for another client "
+                                                          "skips its routing pass (0: off)")
     request_timeout_s: float | None = Field(600.0, gt=0, description="deadline of a request (504 beyond); null: none")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="on shutdown, running requests get this long to finish")
     exit_on_engine_failure: bool = Field(True, description="exit with status 70 when the engine thread dies, so "

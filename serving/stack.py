@@ -98,6 +98,7 @@ def stack_config(settings: ServeSettings) -> StackConfig:
                                                    max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
                                                    max_decode_skips=s.max_decode_skips,
                                                    prefix_cache_slots=s.prefix_cache_slots,
+                                                   route_state_cache=s.route_state_cache,
                                                    max_lora_rank=s.max_lora_rank,
                                                    request_timeout_s=s.request_timeout_s, count_syncs=s.count_syncs),
         feddpa=s.feddpa_options(), default_alpha=s.default_alpha, check_base=s.check_base)

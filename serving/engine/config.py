@@ -31,6 +31,8 @@ class EngineConfig:
         cuda_graphs: capture fused decode steps as CUDA graphs on CUDA.
         prefix_cache_slots: recent prompts whose KV is kept for later prompts sharing a prefix under
             the same adapter weights (:mod:`serving.engine.prefix_cache`; 0: off).
+        route_state_cache: routing states remembered by prompt (:mod:`serving.engine.route_states`): a
+            prompt routed again, for another client, skips its routing pass (0: off).
         auto_slots: replace ``max_batch_size`` by the slots the device's free memory holds
             (:mod:`serving.engine.sizing`; ``fedmosaic serve`` without ``--max-batch-size``).
         auto_context: replace ``max_model_len`` by the model's context (capped; shortened when too few
@@ -50,6 +52,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     cuda_graphs: bool = True
     prefix_cache_slots: int = 4
+    route_state_cache: int = 4096
     auto_slots: bool = False
     auto_context: bool = False
     count_syncs: bool = False
@@ -58,7 +61,7 @@ class EngineConfig:
         for name in ("max_batch_size", "max_model_len", "max_waiting", "max_prefill_tokens", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_decode_skips", "prefix_cache_slots"):
+        for name in ("max_decode_skips", "prefix_cache_slots", "route_state_cache"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.lora_slots is not None and self.lora_slots < 1:

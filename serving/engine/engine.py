@@ -58,6 +58,7 @@ from serving.engine.lifecycle import Lifecycle
 from serving.engine.model_lock import ModelLock
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.request import GenerationRequest, GenerationResult, RequestHandle
+from serving.engine.route_states import RouteStates
 from serving.engine.scheduler import Outcome, Scheduler
 from serving.engine.sequence import Finished, Sequence, error_status, failed, result
 from serving.engine.sizing import sized_config
@@ -130,6 +131,7 @@ class Engine:
         self.kv = SlotKV(int(mc.num_hidden_layers), config.max_batch_size, kv_heads, head_dim, config.max_model_len,
                          dtype, self.device, spare=config.prefix_cache_slots)
         self.prefixes = PrefixCache(self.kv, self._fingerprint)
+        self.route_states = RouteStates(config.route_state_cache)
         self.executor = Executor(self.model, adapted, self.kv, loaded.autocast, config.runner,
                                  config.lora_slots or config.max_batch_size + 1, config.max_lora_rank,
                                  config.cuda_graphs, config.max_batch_size)
@@ -140,7 +142,7 @@ class Engine:
             eos.update([value] if isinstance(value, int) else (value or []))
         self.eos_ids = frozenset(eos)
         self.lifecycle = Lifecycle(config, self.tokenizer, adapted, self.vocab_size, self.eos_ids, self.device,
-                                   self.prefixes)
+                                   self.prefixes, self.route_states)
         self.scheduler = Scheduler(self.executor, self.lifecycle)
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
@@ -243,6 +245,7 @@ class Engine:
             self.failure = None
             self.kv.reset()
             self.prefixes.clear()
+            self.route_states.clear()
             self._stopping = False
         self.start()
 
@@ -271,6 +274,7 @@ class Engine:
             self._cond.notify_all()
         self.kv.reset()
         self.prefixes.clear()
+        self.route_states.clear()
         for seq in seqs:
             message = f"the engine failed while serving request {seq.request_id}; the server is restarting"
             seq.handle.finish(result(seq, "error", message, 500))
@@ -296,7 +300,7 @@ class Engine:
             try:
                 with torch.inference_mode(), StepClock(self.config.count_syncs) as clock:
                     self._expire(finished)
-                    self._admit()
+                    self._admit(finished)
                     running = [s for s in self._active if s.phase == "decode" and s.output]
                     decoding = running
                     if running and self._waiting_for_first_tokens() and self._skipped < self.config.max_decode_skips:
@@ -351,13 +355,16 @@ class Engine:
                 message = f"the request exceeded the server's deadline of {self.config.request_timeout_s} s"
                 self._end(seq, result(seq, "error", message, 504), finished)
 
-    def _admit(self) -> None:
+    def _admit(self, finished: Finished) -> None:
         while self._waiting and self.kv.free_slots:
             with self._cond:
                 seq = self._waiting.popleft()
             seq.slot = self.kv.allocate()
             self._active.append(seq)
-            self.lifecycle.begin_prefill(seq)
+            try:
+                self.lifecycle.begin_prefill(seq)
+            except Exception as exc:  # noqa: BLE001 - a remembered state's weight_fn failed: this request only
+                self._fail(seq, exc, finished)
 
     def _record(self, seq: Sequence, outcome: Outcome, finished: Finished) -> None:
         """Record a row's sampled token (ending its sequence when it finishes), or fail it."""

@@ -26,6 +26,7 @@ from serving.errors import AdapterNotFound, InvalidRequest
 if TYPE_CHECKING:
     from serving.engine.executor import RowOut
     from serving.engine.prefix_cache import PrefixCache
+    from serving.engine.route_states import RouteStates
     from serving.engine.runner.inputs import PrefillRow
 
 
@@ -40,12 +41,15 @@ class Lifecycle:
         eos_ids: the end-of-sequence token ids.
         device: where a request's seeded generator lives.
         prefixes: the prefix cache a prompt pass reuses from and is remembered in.
+        states: routing states remembered by prompt (None: every routed prompt runs its routing pass).
     """
 
     def __init__(self, config: EngineConfig, tokenizer: object, adapted: object, vocab_size: int,
-                 eos_ids: frozenset[int], device: torch.device, prefixes: PrefixCache) -> None:
+                 eos_ids: frozenset[int], device: torch.device, prefixes: PrefixCache,
+                 states: RouteStates | None = None) -> None:
         self.config, self.tokenizer, self.adapted = config, tokenizer, adapted
         self.vocab_size, self.eos_ids, self.device, self.prefixes = vocab_size, eos_ids, device, prefixes
+        self.states = states
 
     @staticmethod
     def row_adapters(seq: Sequence, weights: tuple[float, ...]) -> RowAdapters:
@@ -102,7 +106,14 @@ class Lifecycle:
         return seq
 
     def begin_prefill(self, seq: Sequence) -> None:
-        """Enter the first prefill phase (``route`` for a routed request, else ``fill``)."""
+        """Enter the first prefill phase (``route`` for a routed request, else ``fill``).
+
+        A routed prompt whose routing state is remembered (:mod:`serving.engine.route_states`) is routed
+        at once and enters ``fill`` at its routed weights.
+
+        Raises:
+            Whatever ``weight_fn`` raises for a remembered state (the engine fails the request with it).
+        """
         req = seq.handle.request
         seq.filled, seq.state_sum = 0, None
         if seq.amole is not None:
@@ -112,6 +123,10 @@ class Lifecycle:
         elif req.weight_fn is not None:
             first = tuple(req.prefill_weights if req.prefill_weights is not None else req.adapter_weights)
             seq.phase, seq.adapters = "route", self.row_adapters(seq, first)
+            state = self._remembered(seq)
+            if state is not None:  # routed before: straight to the pass at the routed weights
+                self._route(seq, state)
+                seq.phase, seq.adapters = "fill", self.row_adapters(seq, seq.weights)
         else:
             seq.phase, seq.adapters = "fill", self.row_adapters(seq, tuple(req.adapter_weights))
         self._reuse_prefix(seq)
@@ -153,11 +168,9 @@ class Lifecycle:
         if seq.phase == "route":
             assert req.weight_fn is not None and out.state is not None
             state = out.state if req.state_pooling == "last" else seq.state_sum / len(seq.ids)  # type: ignore[operator]
-            routed, info = req.weight_fn(state.cpu(), seq.ids)
-            weights = tuple(float(w) for w in routed)
-            if len(weights) != len(req.adapter_names):
-                raise InvalidRequest(f"weight_fn returned {len(weights)} weights for {req.adapter_names}")
-            seq.weights, seq.info = weights, dict(info)
+            if self.states is not None:
+                self.states.put(self.prefixes.key(seq.adapters), req.cache_scope, req.state_pooling, seq.ids, state)
+            weights = self._route(seq, state)
             first = tuple(req.prefill_weights if req.prefill_weights is not None else req.adapter_weights)
             # Routed to the prefill's own weights (calibrated FedDPA's a = 0 for an unrelated prompt): this
             # pass already is the exact one, unless the prompt's log-probabilities were asked for.
@@ -169,6 +182,28 @@ class Lifecycle:
             seq.adapters = self.row_adapters(seq, weights)
         seq.phase = "decode"
         return True
+
+    def _remembered(self, seq: Sequence) -> torch.Tensor | None:
+        """The remembered state of ``seq``'s routing pass, unless every position's logits are asked for."""
+        req = seq.handle.request
+        if self.states is None or req.sampling.prompt_logprobs is not None:
+            return None
+        return self.states.get(self.prefixes.key(seq.adapters), req.cache_scope, req.state_pooling, seq.ids)
+
+    def _route(self, seq: Sequence, state: torch.Tensor) -> tuple[float, ...]:
+        """Hand the routing state to ``weight_fn``; records and returns the routed weights.
+
+        Raises:
+            Whatever ``weight_fn`` raises, and InvalidRequest when it returns the wrong number of weights.
+        """
+        req = seq.handle.request
+        assert req.weight_fn is not None
+        routed, info = req.weight_fn(state.cpu(), seq.ids)
+        weights = tuple(float(w) for w in routed)
+        if len(weights) != len(req.adapter_names):
+            raise InvalidRequest(f"weight_fn returned {len(weights)} weights for {req.adapter_names}")
+        seq.weights, seq.info = weights, dict(info)
+        return weights
 
     def record_prompt_logprobs(self, seq: Sequence, row: PrefillRow, logits: torch.Tensor) -> None:
         """Prompt tokens' log-probabilities from a chunk's (n, V) logits: position p predicts token p + 1."""

@@ -54,7 +54,7 @@ def test_a_dead_engine_answers_in_flight_requests_and_health_turns_503(client: T
     engine = client.app.state.server.engine  # type: ignore[attr-defined]
     original = engine._admit
 
-    def bug() -> None:
+    def bug(finished: object) -> None:
         raise KeyError("scheduler bug")
 
     engine._admit = bug
@@ -87,7 +87,7 @@ def test_the_server_process_exits_70_when_its_engine_dies(tmp_path: Path) -> Non
         from serving.engine import Engine
         from serving.settings import ServeSettings
 
-        def broken_admit(self):
+        def broken_admit(self, finished):
             raise MemoryError("simulated device out of memory")
 
         Engine._admit = broken_admit  # the engine thread dies at its first step

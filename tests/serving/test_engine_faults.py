@@ -106,7 +106,7 @@ def test_the_engine_thread_dying_answers_everyone_and_reports(engine: Engine, mo
         time.sleep(0.005)
     queued = engine.submit(greedy(PROMPTS[0]))  # waits: every slot is taken
 
-    def bug() -> None:
+    def bug(finished: object) -> None:
         raise KeyError("scheduler bug")
 
     monkeypatch.setattr(engine, "_admit", bug)

@@ -23,8 +23,9 @@ def ask(question: str, weights: tuple[float, float] = (0.5, 0.5), **kw: object) 
 @pytest.fixture()
 def engines(tiny: LoadedModel) -> tuple[Engine, Engine]:
     adapted = adapted_with(tiny)
-    return (Engine(tiny, adapted, EngineConfig(max_batch_size=4, prefix_cache_slots=2)),
-            Engine(tiny, adapted, EngineConfig(max_batch_size=4, prefix_cache_slots=0)))
+    # routing states are not remembered here (serving.engine.route_states): every routing pass runs, and reuses
+    return (Engine(tiny, adapted, EngineConfig(max_batch_size=4, prefix_cache_slots=2, route_state_cache=0)),
+            Engine(tiny, adapted, EngineConfig(max_batch_size=4, prefix_cache_slots=0, route_state_cache=0)))
 
 
 def test_a_shared_prefix_is_reused_and_decodes_as_without_the_cache(engines: tuple[Engine, Engine]) -> None:

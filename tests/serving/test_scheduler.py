@@ -19,7 +19,7 @@ from tests.serving.test_engine_batching import requests
 
 def _admitted(engine: Engine, reqs: list[GenerationRequest]) -> list:  # type: ignore[type-arg]
     handles = [engine.submit(r) for r in reqs]
-    engine._admit()
+    engine._admit([])
     return [next(s for s in engine._active if s.handle is h) for h in handles]
 
 
