@@ -19,7 +19,7 @@ TTP, paper 000 section 5.2, as mean ± sample std over the seeds, per-task block
 evaluation seconds) and ``<out>/table1.json``; the JSON report is printed too. Usage::
 
     python bench/paper_table1.py [--methods fedit,fedlora,feddpa-f,feddpa-t,local] [--seeds 0 1 2]
-        [--preset repro] [--data feddpa1|generated] [--num-beams 4] [--max-new-tokens 80] [--limit N]
+        [--preset repro] [--data feddpa1|generated] [--num-beams 4] [--max-new-tokens 80] [--limit N] [--ttp-limit N]
         [--leave-out TASKS] [--rounds N] [--option METHOD:KEY=VALUE] [--out runs/table1] [--model smollm2]
 
 ``--preset`` defaults to ``repro`` when training has it, else ``small`` (said in the report); any preset
@@ -31,13 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from fedmosaic.evaluation.evaluate import EvalOptions, evaluate_run
+from adapters.rundir import RunDir
+from fedmosaic.evaluation.evaluate import EvalOptions, evaluate_run, output_dir
+from fedmosaic.evaluation.predictions import PredictionCache
 from models import load_base_model
 from training.algorithms import ALGORITHMS
 from training.cli import method_settings
@@ -87,6 +90,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 def cell_path(out: Path, method: str, seed: int, rule: str, args: argparse.Namespace) -> Path:
     """Where one cell's result lives: its name says the evaluation setting, so settings never share a cell."""
     setting = f"{args.metric}-{'all' if args.limit is None else args.limit}-b{args.num_beams}-t{args.max_new_tokens}"
+    if args.ttp_limit is not None:
+        setting += f"-ttp{args.ttp_limit}"
     return out / "cells" / f"{method}__seed{seed}__{rule}__{setting}.json"
 
 
@@ -133,18 +138,55 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
     return {**info, "reused": False}
 
 
+def eval_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The evaluation settings a cell records and is matched on (``ttp_limit`` only when given)."""
+    found: dict[str, Any] = {"limit": args.limit, "num_beams": args.num_beams, "max_new_tokens": args.max_new_tokens}
+    if args.ttp_limit is not None:
+        found["ttp_limit"] = args.ttp_limit
+    return found
+
+
+def share_base_answers(run_dir: Path, shared: Path, *, into_run: bool) -> int:
+    """Copy the bare base model's cached answers between one run and ``shared`` (``<out>/base-answers``).
+
+    The base model (no adapter) answers the same prompts the same way in every run, so the table
+    generates them once, not once per cell: before a run is evaluated its cache receives the shared
+    answers it lacks (``into_run``), and afterwards the shared folder receives the run's. The cache
+    checks each row's prompt and generation tag, so answers of other settings are never used.
+
+    Returns:
+        The number of task files copied.
+    """
+    cache = PredictionCache(output_dir(RunDir(run_dir)) / "predictions")
+    run_base = cache.path("final", "base", "x").parent
+    src, dst = (shared, run_base) if into_run else (run_base, shared)
+    copied = 0
+    for path in sorted(src.glob("*.jsonl")) if src.is_dir() else []:
+        target = dst / path.name
+        if not target.is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".tmp-{target.name}.part")  # not *.jsonl: never read as a task file
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, target)
+            copied += 1
+    return copied
+
+
 def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train: dict[str, Any]) -> dict[str, Any]:
     """Evaluate one cell (the run is trained) and return its JSON record."""
     run_dir = Path(args.out) / method / f"seed{seed}"
-    opts = EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
+    opts = EvalOptions(limit=args.limit, ttp_limit=args.ttp_limit, max_new_tokens=args.max_new_tokens,
+                       num_beams=args.num_beams,
                        batch_size=args.batch_size, metric=args.metric, dtype=args.dtype, device=args.device,
                        feddpa_weighting=None if rule == "native" else rule)
+    shared = Path(args.out) / "base-answers"
+    share_base_answers(run_dir, shared, into_run=True)
     began = time.perf_counter()
     summary = evaluate_run(run_dir, opts)
+    share_base_answers(run_dir, shared, into_run=False)
     cell: dict[str, Any] = {"method": method, "label": LABELS.get(method, method), "seed": seed, "rule": rule,
                             "preset": args.preset, "data": args.data, "metric": args.metric,
-                            "eval": {"limit": args.limit, "num_beams": args.num_beams,
-                                     "max_new_tokens": args.max_new_tokens},
+                            "eval": eval_settings(args),
                             "train_seconds": train.get("train_seconds"), "losses": train.get("losses"),
                             "eval_seconds": round(time.perf_counter() - began, 1),
                             "n_per_task": summary["test_set"]["tasks"]}
@@ -154,6 +196,9 @@ def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train:
         glob = next((r for r in rows if r["label"].endswith("[global]")), None)
         if glob is not None:
             cell.setdefault("global", {})[block] = glob["avg"]
+        bare = next((r for r in rows if r["label"].endswith("[base]")), None)
+        if bare is not None:
+            cell.setdefault("base", {})[block] = bare["avg"]
     if "ood" in summary:
         cell["ood"] = summary["ood"]
     return cell
@@ -167,7 +212,7 @@ def matching_cells(out: Path, have: list[dict[str, Any]], args: argparse.Namespa
     """
     seen = {(c["method"], c["seed"], c["rule"]) for c in have}
     want = {"preset": args.preset, "data": args.data, "metric": args.metric,
-            "eval": {"limit": args.limit, "num_beams": args.num_beams, "max_new_tokens": args.max_new_tokens}}
+            "eval": eval_settings(args)}
     extra = []
     for path in sorted((out / "cells").glob("*.json")):
         cell = json.loads(path.read_text())
@@ -239,13 +284,21 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
             if block in r:
                 vals = [_pm(r[block]["values"].get(c)) for c in columns]
                 lines.append(f"| {_name(r)} | " + " | ".join(vals) + f" | {_pm(r[block]['avg'])} |")
-    lines += ["", "Per cell (training seconds are per run, shared by a run's two weighting rules):", "",
-              "| Method | Rule | Seed | Train s | Eval s | Personalization | TTP |",
-              "|---|---|---|---:|---:|---:|---:|"]
+    lines += ["", "Per cell (training seconds are per run, shared by a run's two weighting rules; the run's "
+              "global adapter alone beside its personalised models):", "",
+              "| Method | Rule | Seed | Train s | Eval s | Personalization | TTP | Global: Pers. | Global: TTP |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
-        pers, ttp = (c.get("personalization") or {}).get("avg"), (c.get("ttp") or {}).get("avg")
+        glob = c.get("global") or {}
+        figures = [(c.get("personalization") or {}).get("avg"), (c.get("ttp") or {}).get("avg"),
+                   glob.get("personalization"), glob.get("ttp")]
         lines.append(f"| {c['label']} | {c['rule']} | {c['seed']} | {c.get('train_seconds')} | {c['eval_seconds']} | "
-                     f"{'–' if pers is None else f'{pers:.2f}'} | {'–' if ttp is None else f'{ttp:.2f}'} |")
+                     + " | ".join("–" if v is None else f"{float(v):.2f}" for v in figures) + " |")
+    base = next((c["base"] for c in cells if c.get("base")), None)
+    if base is not None:
+        lines += ["", f"The base model without adapters: Personalization {float(base['personalization']):.2f}, "
+                  f"TTP {float(base['ttp']):.2f} (the same answers in every run: generated once, "
+                  "`<out>/base-answers/`)."]
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--leave-out", default=None, metavar="TASKS", help="FedOA's held-out tasks (paper 001 protocol)")
     p.add_argument("--rounds", type=int, default=None, help="default: each method's rounds under --preset")
     p.add_argument("--limit", type=int, default=None, help="test examples per task (default: all)")
+    p.add_argument("--ttp-limit", type=int, default=None, metavar="N",
+                   help="a client's model on the other tasks (the TTP column only): the first N examples of each")
     p.add_argument("--num-beams", type=int, default=1, help="the FedDPA reference: 4")
     p.add_argument("--max-new-tokens", type=int, default=64, help="the FedDPA reference: 80")
     p.add_argument("--batch-size", type=int, default=8)
@@ -322,7 +377,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cells += matching_cells(out, cells, args)
     evaluation = (f"{'all' if args.limit is None else f'the first {args.limit}'} test examples per task, "
                   + ("greedy" if args.num_beams == 1 else f"{args.num_beams} beams")
-                  + f", {args.max_new_tokens} new tokens")
+                  + f", {args.max_new_tokens} new tokens"
+                  + ("" if args.ttp_limit is None else f"; TTP: a client's model on the other tasks scores the "
+                     f"first {args.ttp_limit} examples of each"))
     settings = {**vars(args), "evaluation": evaluation, "preset_note": note}
     rows = aggregate(cells)
     md = markdown(rows, cells, settings)

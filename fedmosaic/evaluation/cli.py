@@ -25,6 +25,10 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--limit", type=int, default=None,
                    help="score only the first N test examples per task (default: all of them, 200 per task on "
                         "the FedDPA data sets: the reproduction protocol; a limit is for quick looks only)")
+    p.add_argument("--ttp-limit", type=int, default=None, metavar="N",
+                   help="a client's model on the tasks other than its own (read only by the TTP column): the "
+                        "first N examples of each (default: as many as --limit); its own task, the global and "
+                        "the base model are scored in full")
     p.add_argument("--max-new-tokens", type=int, default=64, help="answer length (the FedDPA reference: 80)")
     p.add_argument("--num-beams", type=int, default=1,
                    help="1: greedy on the continuous-batching engine; >1: HF beam search (the FedDPA reference: 4); "
@@ -76,7 +80,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> EvalOptions:
-    return EvalOptions(limit=args.limit, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
+    return EvalOptions(limit=args.limit, ttp_limit=args.ttp_limit, max_new_tokens=args.max_new_tokens,
+                       num_beams=args.num_beams,
                        batch_size=args.batch_size, metric=args.metric, data=args.data, test=args.test, model=args.model,
                        per_round=args.per_round, dtype=args.dtype, device=args.device,
                        feddpa_weights=args.feddpa_weights, feddpa_weighting=args.feddpa_weighting,

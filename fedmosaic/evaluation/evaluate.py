@@ -48,6 +48,10 @@ class EvalOptions:
 
     Attributes:
         limit: test examples per task (None: all).
+        ttp_limit: a client's model on the tasks other than its own (only the test-time personalization
+            column reads those) scores the first ``ttp_limit`` of each task's examples (None: as many as
+            ``limit``). Its own task, the global model and the base model always get ``limit``; a model
+            that serves several clients (FedIT's global) gets it wherever one of them needs it.
         max_new_tokens: generation budget per answer.
         num_beams: 1 greedy on the engine (default); more uses HF beam search (the FedDPA reference used 4).
         batch_size: rows decoded together.
@@ -76,6 +80,7 @@ class EvalOptions:
     """
 
     limit: int | None = None
+    ttp_limit: int | None = None
     max_new_tokens: int = 64
     num_beams: int = 1
     batch_size: int = 8
@@ -104,8 +109,9 @@ class EvalOptions:
         check_pooling(self.feddpa_embedding)
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        for name in ("limit", "ttp_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.feddpa_weights not in WEIGHTING:
             raise ValueError(f"feddpa_weights must be one of {WEIGHTING}, got {self.feddpa_weights!r}")
         if self.feddpa_weighting not in (None, "paper", "calibrated", "fixed"):
@@ -194,18 +200,20 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     # generations: the first such key is generated, the others reuse its predictions.
     canonical = {key: next(k for k, t in targets.items() if t == target) for key, target in targets.items()}
     jobs = [(key, task) for key in targets for task in dataset.tasks if canonical[key] == key]
+    count = _counts(jobs, canonical, {c: dataset.task_of(c) for c in clients}, prompts, opts.ttp_limit)
     items = []
     for key, task in jobs:
         tag = tag_of(described[targets[key]])
-        for i in cache.missing("final", key, task, prompts[task], tag):
+        for i in cache.missing("final", key, task, prompts[task][:count[key, task]], tag):
             items.append(EvalItem("final", key, task, i, targets[key], prompts[task][i], tests[task][i].output, tag))
     _generate_into(cache, backend, items, "eval")
     grid: dict[str, dict[str, Scores]] = {}
     weights: dict[str, dict[str, list[float]]] = {}
     before: dict[str, dict[str, list[float]]] = {}  # the calibrated weights without the clients' gates
     for key, task in jobs:
-        rows = cache.rows("final", key, task, prompts[task], tag_of(described[targets[key]]))
-        grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows], [r.output for r in tests[task]])
+        n = count[key, task]
+        rows = cache.rows("final", key, task, prompts[task][:n], tag_of(described[targets[key]]))
+        grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows], [r.output for r in tests[task][:n]])
         info = described[targets[key]]
         if key in clients and info.get("mode") == "feddpa" and info.get("routed"):
             weights.setdefault(key, {})[task] = [float(r["weights"][f"{key}:local"]) for r in rows]
@@ -228,6 +236,31 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         summary["per_round"] = _per_round(run, out, dataset, opts, backend, cache, render)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _counts(jobs: Sequence[tuple[str, str]], canonical: dict[str, str], client_tasks: dict[str, str],
+            prompts: dict[str, list[str]], ttp_limit: int | None) -> dict[tuple[str, str], int]:
+    """Examples scored per job: all (up to ``limit``) unless only a client's off-task TTP column reads it.
+
+    A job is generated once for every key served by the same target (``canonical``), so it is cut to
+    ``ttp_limit`` only when no such key needs the task in full: the global and base models, or a client
+    whose own task it is.
+    """
+    sharing: dict[str, list[str]] = {}
+    for key, first in canonical.items():
+        sharing.setdefault(first, []).append(key)
+    counts = {}
+    for key, task in jobs:
+        full = ttp_limit is None or any(k not in client_tasks or client_tasks[k] == task for k in sharing[key])
+        counts[key, task] = len(prompts[task]) if full else min(len(prompts[task]), ttp_limit)  # type: ignore[type-var]
+    return counts
+
+
+def _ttp_note(opts: EvalOptions) -> list[str]:
+    if opts.ttp_limit is None or (opts.limit is not None and opts.ttp_limit >= opts.limit):
+        return []
+    return [f"TTP: each client's model scores the first {opts.ttp_limit} examples of every task but its own "
+            "(its own task, the global and the base model: every example)."]
 
 
 def _prompter(cfg: dict, backend: EvalBackend) -> Callable[[Sequence[Any]], list[str]]:
@@ -284,7 +317,7 @@ def _write_outputs(run: RunDir, out: Path, cfg: dict, dataset: FederatedDataset,
     blocks = tables.block_rows(label, grid, clients, client_tasks, opts.metric)
     columns = [client_tasks[c] for c in clients]
     md = tables.markdown(blocks, columns, opts.metric, title=test_set.heading(label),
-                         notes=tables.coverage_notes(clients, client_tasks, test_set.tasks))
+                         notes=tables.coverage_notes(clients, client_tasks, test_set.tasks) + _ttp_note(opts))
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(md)
     plots.plot_scores({k: {t: s.get(opts.metric) for t, s in v.items()} for k, v in grid.items()},

@@ -60,8 +60,24 @@ def test_unknown_preset_and_method_fail_in_one_line() -> None:
 def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bench = _bench()
     out = tmp_path / "t1"
+    import fedmosaic.evaluation.evaluate as evaluate
+
+    generated: list[tuple[str, int]] = []
+    real_generate = evaluate._generate_into
+
+    def recording(cache, backend, items, desc):  # noqa: ANN001, ANN202
+        generated.extend((it.key, it.i) for it in items)
+        return real_generate(cache, backend, items, desc)
+
+    monkeypatch.setattr(evaluate, "_generate_into", recording)
     report = bench.main([*ARGS, "--out", str(out)])
+    monkeypatch.undo()
     assert report["failed"] == [] and report["skipped"] == []
+    # the bare base model answers once for the whole table (4 prompts), not once per run (4 runs)
+    assert sum(1 for key, _ in generated if key == "base") == 4
+    assert sum(1 for key, _ in generated if key == "global") == 2 * 4  # FedDPA-T's own; FedIT's is its clients'
+    assert all(c["base"] == report["cells"][0]["base"] for c in report["cells"])
+    assert "The base model without adapters" in report["markdown"]
     names = sorted(p.name for p in (out / "cells").iterdir())
     assert names == sorted(f"{m}__seed{s}__{r}__rouge1-2-b1-t2.json" for m, rules in (("fedit", ["native"]),
                                                                        ("feddpa-t", ["paper", "calibrated"]))
@@ -115,5 +131,9 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     other = bench.main([*ARGS[:1], "fedit", *ARGS[2:], "--max-new-tokens", "3", "--out", str(out)])
     assert other["failed"] == [] and {r["method"] for r in other["rows"]} == {"fedit"}
     assert evaluated == ["fedit/None", "fedit/None"]  # seeds 0 and 1, from the runs already trained
+    cut = bench.main([*ARGS[:1], "fedit", *ARGS[2:], "--ttp-limit", "1", "--out", str(out)])
+    assert sorted(p.name for p in (out / "cells").glob("fedit__*-ttp1.json")) == [
+        "fedit__seed0__native__rouge1-2-b1-t2-ttp1.json", "fedit__seed1__native__rouge1-2-b1-t2-ttp1.json"]
+    assert [c["eval"]["ttp_limit"] for c in cut["cells"]] == [1, 1] and "first 1 examples of each" in cut["markdown"]
     with pytest.raises(SystemExit, match="another --out"):
         bench.main([*ARGS, "--rounds", "2", "--out", str(out)])

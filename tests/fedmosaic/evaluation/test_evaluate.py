@@ -267,3 +267,58 @@ def test_a_closed_gate_serves_the_global_alone_and_the_weights_before_it_are_plo
     assert again["feddpa_weights"]["per_client"]["sorting"]["sorting"] == pytest.approx(
         before["per_client"]["sorting"]["sorting"])
     assert not (run.eval_dir / "feddpa_weights_before_gate.png").exists()
+
+
+class Recorder(Spy):
+    """A :class:`Spy` that also records (key, task, index) of every generated example."""
+
+    def __init__(self, inner: StackBackend) -> None:
+        super().__init__(inner)
+        self.done: list[tuple[str, str, int]] = []
+
+    def generate(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, Prediction]]:
+        for item, pred in super().generate(items):
+            self.done.append((item.key, item.task, item.i))
+            yield item, pred
+
+
+def test_ttp_limit_cuts_only_a_clients_off_task_examples(tmp_path: Path) -> None:
+    run = build_run(tmp_path)  # clients sorting and capitals, 3 test examples per task
+    spy = Recorder(open_backend(run, run.read_config(), dtype="float32", max_new_tokens=2, batch_size=2))
+    opts = EvalOptions(ttp_limit=1, max_new_tokens=2, batch_size=2, dtype="float32")
+    summary = evaluate_run(run.root, opts, backend=spy)
+    per_job: dict[tuple[str, str], list[int]] = {}
+    for key, task, i in spy.done:
+        per_job.setdefault((key, task), []).append(i)
+    assert {k: sorted(v) for k, v in per_job.items()} == {
+        ("sorting", "sorting"): [0, 1, 2], ("sorting", "capitals"): [0],
+        ("capitals", "capitals"): [0, 1, 2], ("capitals", "sorting"): [0],
+        ("global", "sorting"): [0, 1, 2], ("global", "capitals"): [0, 1, 2],
+        ("base", "sorting"): [0, 1, 2], ("base", "capitals"): [0, 1, 2]}
+    assert summary["scores"]["sorting"]["capitals"]["n"] == 1 and summary["scores"]["sorting"]["sorting"]["n"] == 3
+    assert summary["options"]["ttp_limit"] == 1 and "first 1 examples of every task but its own" in summary["markdown"]
+    # the full evaluation afterwards generates only what the cut one skipped, and its TTP uses every example
+    spy.done.clear()
+    full = evaluate_run(run.root, EvalOptions(max_new_tokens=2, batch_size=2, dtype="float32"), backend=spy)
+    assert sorted(spy.done) == sorted([("sorting", "capitals", 1), ("sorting", "capitals", 2),
+                                       ("capitals", "sorting", 1), ("capitals", "sorting", 2)])
+    assert full["scores"]["sorting"]["capitals"]["n"] == 3
+    with pytest.raises(ValueError, match="ttp_limit must be >= 1"):
+        EvalOptions(ttp_limit=0)
+
+
+def test_ttp_limit_keeps_a_shared_model_in_full_where_a_client_needs_it(tmp_path: Path) -> None:
+    run = build_run(tmp_path, method="FedIT")
+    for c in ("sorting", "capitals"):  # FedIT: every client is served the global model
+        for path in run.local_adapter(c).iterdir():
+            path.unlink()
+        run.local_adapter(c).rmdir()
+    spy = Recorder(open_backend(run, run.read_config(), dtype="float32", max_new_tokens=2, batch_size=2))
+    summary = evaluate_run(run.root, EvalOptions(ttp_limit=1, max_new_tokens=2, batch_size=2, dtype="float32"),
+                           backend=spy)
+    assert summary["targets"]["sorting"]["target"] == summary["targets"]["capitals"]["target"]
+    # one generation per example of the shared target, every example of both tasks (each is someone's own)
+    assert len(spy.done) == len(set(spy.done)) and {(t, i) for k, t, i in spy.done if k != "base"} == {
+        (t, i) for t in ("sorting", "capitals") for i in range(3)}
+    assert all(summary["scores"][k][t]["n"] == 3
+               for k in ("sorting", "capitals", "global") for t in ("sorting", "capitals"))
