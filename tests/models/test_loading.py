@@ -115,3 +115,27 @@ def test_smollm2_answers_a_simple_instruction_with_an_adapter(smollm2_folder: Pa
     (answer,) = generate(adapted, loaded.model, tok, [prompt], ("fresh",), [[1.0]],
                          GenerationConfig(max_new_tokens=16), autocast=loaded.autocast)
     assert "Paris" in answer
+
+
+def test_autocast_bf16_stores_linear_weights_in_bf16_with_identical_numbers() -> None:
+    """Stored in bf16 once, the weights give the forward and gradients autocast gave from float32 ones."""
+    import torch
+
+    from models import tiny_llama
+
+    stored = tiny_llama(dtype="autocast-bf16")
+    reference = tiny_llama(dtype="float32")  # the same seeded weights, float32, run under the same autocast
+    linears = [m for m in stored.model.modules() if isinstance(m, torch.nn.Linear)]
+    embed = stored.model.get_input_embeddings().weight
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears if m.weight is not embed)
+    assert embed.dtype == torch.float32  # the residual stream starts in float32 (a tied head stays with it)
+    assert all(p.dtype == torch.float32 for n, p in stored.model.named_parameters() if "norm" in n)
+    ids = torch.randint(0, int(embed.shape[0]), (2, 9), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for loaded in (stored, reference):
+        x = loaded.model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = loaded.model(inputs_embeds=x).logits
+        logits.float().logsumexp(-1).sum().backward()
+        grads.append((logits.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
