@@ -184,9 +184,13 @@ class Lifecycle:
         return True
 
     def _remembered(self, seq: Sequence) -> torch.Tensor | None:
-        """The remembered state of ``seq``'s routing pass, unless every position's logits are asked for."""
+        """The remembered state of ``seq``'s routing pass, for an exact request not asking for every logit.
+
+        A request without ``exact_prefill`` keeps its routing pass: that pass's KV is the one it decodes
+        from, so skipping it would change its answer.
+        """
         req = seq.handle.request
-        if self.states is None or req.sampling.prompt_logprobs is not None:
+        if self.states is None or not req.exact_prefill or req.sampling.prompt_logprobs is not None:
             return None
         return self.states.get(self.prefixes.key(seq.adapters), req.cache_scope, req.state_pooling, seq.ids)
 

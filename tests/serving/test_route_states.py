@@ -22,7 +22,7 @@ PROMPT = "Sort these words: pear, apple, fig."
 
 
 def routed(local: str, states: list[torch.Tensor], scope: str = "", pooling: str = "last",
-           fail: bool = False) -> GenerationRequest:
+           fail: bool = False, exact: bool = True) -> GenerationRequest:
     """A FedDPA-style request: routing pass on ``g`` alone, then ``g`` and ``local`` at a state-dependent mix."""
 
     def route(state: torch.Tensor, ids: object) -> tuple[tuple[float, float], dict[str, object]]:
@@ -33,7 +33,7 @@ def routed(local: str, states: list[torch.Tensor], scope: str = "", pooling: str
         return (1 - a, a), {}
 
     return GenerationRequest(prompt=PROMPT, adapter_names=("g", local), adapter_weights=(0.5, 0.5),
-                             prefill_weights=(1.0, 0.0), weight_fn=route, exact_prefill=True, state_pooling=pooling,
+                             prefill_weights=(1.0, 0.0), weight_fn=route, exact_prefill=exact, state_pooling=pooling,
                              cache_scope=scope, sampling=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
 
 
@@ -72,6 +72,7 @@ def test_no_reuse_across_tenants_pooling_or_changed_adapters(engines: tuple[Engi
     remembering.generate([routed("l1", seen, scope="tenant-a")])
     remembering.generate([routed("l2", seen, scope="tenant-b")])  # another tenant: its own pass
     remembering.generate([routed("l2", seen, scope="tenant-a", pooling="mean")])  # another state
+    remembering.generate([routed("l2", seen, scope="tenant-a", exact=False)])  # decodes from its routing pass's KV
     assert remembering.route_states.hits == 0
     remembering.generate([routed("l2", seen, scope="tenant-a")])
     assert remembering.route_states.hits == 1
