@@ -254,7 +254,10 @@ def aggregate(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _pm(stat: dict[str, float] | None) -> str:
-    return "–" if stat is None else f"{stat['mean']:.2f} ± {stat['std']:.2f}"
+    if stat is None:
+        return "–"
+    # one seed has no spread to show: "± 0.00" would claim one
+    return f"{stat['mean']:.2f}" if stat.get("n", 2) < 2 else f"{stat['mean']:.2f} ± {stat['std']:.2f}"
 
 
 def _name(row: dict[str, Any]) -> str:

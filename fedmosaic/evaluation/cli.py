@@ -26,9 +26,9 @@ def add_eval_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                    help="score only the first N test examples per task (default: all of them, 200 per task on "
                         "the FedDPA data sets: the reproduction protocol; a limit is for quick looks only)")
     p.add_argument("--ttp-limit", type=int, default=None, metavar="N",
-                   help="a client's model on the tasks other than its own (read only by the TTP column): the "
-                        "first N examples of each (default: as many as --limit); its own task, the global and "
-                        "the base model are scored in full")
+                   help="TTP on the first N examples of each task, for every model (a client's model then "
+                        "answers only those of the other tasks; default: as many as --limit); Personalization, "
+                        "the global and the base model keep every example")
     p.add_argument("--max-new-tokens", type=int, default=64, help="answer length (the FedDPA reference: 80)")
     p.add_argument("--num-beams", type=int, default=1,
                    help="1: greedy on the continuous-batching engine; >1: HF beam search (the FedDPA reference: 4); "

@@ -48,10 +48,11 @@ class EvalOptions:
 
     Attributes:
         limit: test examples per task (None: all).
-        ttp_limit: a client's model on the tasks other than its own (only the test-time personalization
-            column reads those) scores the first ``ttp_limit`` of each task's examples (None: as many as
-            ``limit``). Its own task, the global model and the base model always get ``limit``; a model
-            that serves several clients (FedIT's global) gets it wherever one of them needs it.
+        ttp_limit: the test-time personalization (TTP) column scores every model on the first
+            ``ttp_limit`` examples of each task (None: as many as ``limit``), so a client's model answers
+            only those of the tasks other than its own. Personalization, and the global and base models,
+            keep ``limit``; a model that serves several clients (FedIT's global) gets it wherever one of
+            them needs it.
         max_new_tokens: generation budget per answer.
         num_beams: 1 greedy on the engine (default); more uses HF beam search (the FedDPA reference used 4).
         batch_size: rows decoded together.
@@ -208,12 +209,17 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
             items.append(EvalItem("final", key, task, i, targets[key], prompts[task][i], tests[task][i].output, tag))
     _generate_into(cache, backend, items, "eval")
     grid: dict[str, dict[str, Scores]] = {}
+    ttp_grid: dict[str, dict[str, Scores]] = {}
     weights: dict[str, dict[str, list[float]]] = {}
     before: dict[str, dict[str, list[float]]] = {}  # the calibrated weights without the clients' gates
     for key, task in jobs:
         n = count[key, task]
         rows = cache.rows("final", key, task, prompts[task][:n], tag_of(described[targets[key]]))
         grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows], [r.output for r in tests[task][:n]])
+        if opts.ttp_limit is not None:  # every model's TTP on the same examples: the first ttp_limit of each task
+            m = min(n, opts.ttp_limit)
+            ttp_grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows[:m]],
+                                                       [r.output for r in tests[task][:m]])
         info = described[targets[key]]
         if key in clients and info.get("mode") == "feddpa" and info.get("routed"):
             weights.setdefault(key, {})[task] = [float(r["weights"][f"{key}:local"]) for r in rows]
@@ -222,7 +228,9 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
                 before.setdefault(key, {})[task] = [float(a) for a in ungated]  # type: ignore[arg-type]
     for key in targets:
         grid[key] = grid[canonical[key]]
-    summary = _write_outputs(run, out, cfg, dataset, test_set, clients, grid, opts)
+        if ttp_grid:
+            ttp_grid[key] = ttp_grid[canonical[key]]
+    summary = _write_outputs(run, out, cfg, dataset, test_set, clients, grid, opts, ttp_grid or None)
     if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
         summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
@@ -259,8 +267,8 @@ def _counts(jobs: Sequence[tuple[str, str]], canonical: dict[str, str], client_t
 def _ttp_note(opts: EvalOptions) -> list[str]:
     if opts.ttp_limit is None or (opts.limit is not None and opts.ttp_limit >= opts.limit):
         return []
-    return [f"TTP: each client's model scores the first {opts.ttp_limit} examples of every task but its own "
-            "(its own task, the global and the base model: every example)."]
+    return [f"TTP: every model on the first {opts.ttp_limit} examples of each task (a client's model answers only "
+            "those of the other tasks; Personalization: every example)."]
 
 
 def _prompter(cfg: dict, backend: EvalBackend) -> Callable[[Sequence[Any]], list[str]]:
@@ -310,11 +318,12 @@ def _ood(out: Path, dataset: FederatedDataset, grid: dict[str, dict[str, Scores]
 
 
 def _write_outputs(run: RunDir, out: Path, cfg: dict, dataset: FederatedDataset, test_set: TestSet,
-                   clients: list[str], grid: dict[str, dict[str, Scores]], opts: EvalOptions) -> dict:
+                   clients: list[str], grid: dict[str, dict[str, Scores]], opts: EvalOptions,
+                   ttp_grid: dict[str, dict[str, Scores]] | None = None) -> dict:
     """Write ``table.md`` and ``scores.png`` into ``out``; return the summary's scores, tables and Markdown."""
     client_tasks = {c: dataset.task_of(c) for c in clients}
     label = str(cfg.get("method", run.root.name))
-    blocks = tables.block_rows(label, grid, clients, client_tasks, opts.metric)
+    blocks = tables.block_rows(label, grid, clients, client_tasks, opts.metric, ttp_grid=ttp_grid)
     columns = [client_tasks[c] for c in clients]
     md = tables.markdown(blocks, columns, opts.metric, title=test_set.heading(label),
                          notes=tables.coverage_notes(clients, client_tasks, test_set.tasks) + _ttp_note(opts))
@@ -327,6 +336,7 @@ def _write_outputs(run: RunDir, out: Path, cfg: dict, dataset: FederatedDataset,
         "test_set": {**test_set.summary(client_tasks, opts.limit), "duplicates": dataset.duplicates},
         "clients": clients, "client_tasks": client_tasks, "tables": tables.blocks_json(blocks, columns),
         "markdown": md, "scores": {k: {t: s.asdict() for t, s in v.items()} for k, v in grid.items()},
+        **({"ttp_scores": {k: {t: s.asdict() for t, s in v.items()} for k, v in ttp_grid.items()}} if ttp_grid else {}),
     }
 
 

@@ -36,14 +36,15 @@ class Row:
 
 def block_rows(
     label: str, grid: ScoreGrid, clients: Sequence[str], client_tasks: Mapping[str, str], metric: str,
-    extra: Sequence[str] = ("global", "base"),
+    extra: Sequence[str] = ("global", "base"), ttp_grid: ScoreGrid | None = None,
 ) -> dict[str, list[Row]]:
     """Rows of both blocks for one run: the personalized clients, then the ``extra`` model keys.
 
     A client column shows the personalized model's score on that client's task (personalization) and
     its mean over all tasks (TTP); for ``global``/``base`` the same model fills every column. A client
     whose task is not among the scored tasks has no personalization value; with none present, the
-    Personalization block is left out.
+    Personalization block is left out. ``ttp_grid`` (scores on fewer examples per task, the same for
+    every model) gives the TTP block instead of ``grid``.
     """
     tasks = sorted({t for k in grid.values() for t in k})
 
@@ -52,7 +53,8 @@ def block_rows(
         return scores.get(metric) if scores is not None else None
 
     def ttp(key: str) -> float:
-        return sum(grid[key][t].get(metric) for t in tasks) / len(tasks)
+        source = grid if ttp_grid is None else ttp_grid
+        return sum(source[key][t].get(metric) for t in tasks) / len(tasks)
 
     pers = [Row(label, tuple(own(c, c) for c in clients))]
     test_time = [Row(label, tuple(ttp(c) for c in clients))]

@@ -45,6 +45,9 @@ def test_aggregate_is_mean_and_sample_std_over_seeds() -> None:
     md = bench.markdown([row], cells, {"data": "d", "preset": "p", "metric": "rouge1", "evaluation": "all"})
     assert "| FedIT | 0,1,2 | 17.50 ± 2.29 | 1.50 ± 0.00 | 6 | 2 |" in md
     assert "| FedIT | 12.00 ± 2.00 | 23.00 ± 3.61 | 17.50 ± 2.29 |" in md
+    one = bench.markdown(bench.aggregate(cells[:1]), cells[:1], {"data": "d", "preset": "p", "metric": "rouge1",
+                                                                 "evaluation": "all"})
+    assert "| FedIT | 0 | 15.00 | 1.50 | 5 | 2 |" in one and "±" not in one.split("\n", 1)[1].split("Per cell")[0]
 
 
 def test_unknown_preset_and_method_fail_in_one_line() -> None:

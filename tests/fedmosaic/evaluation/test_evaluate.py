@@ -296,7 +296,17 @@ def test_ttp_limit_cuts_only_a_clients_off_task_examples(tmp_path: Path) -> None
         ("global", "sorting"): [0, 1, 2], ("global", "capitals"): [0, 1, 2],
         ("base", "sorting"): [0, 1, 2], ("base", "capitals"): [0, 1, 2]}
     assert summary["scores"]["sorting"]["capitals"]["n"] == 1 and summary["scores"]["sorting"]["sorting"]["n"] == 3
-    assert summary["options"]["ttp_limit"] == 1 and "first 1 examples of every task but its own" in summary["markdown"]
+    assert summary["options"]["ttp_limit"] == 1 and "first 1 examples of each task" in summary["markdown"]
+    # TTP compares every model on the same examples (the first of each task), Personalization on all three
+    ttp = {r["label"]: r["avg"] for r in summary["tables"]["ttp"]}
+    for key in ("sorting", "global", "base"):
+        assert all(summary["ttp_scores"][key][t]["n"] == 1 for t in ("sorting", "capitals"))
+    own_first = [summary["ttp_scores"][c][c]["rouge1"] for c in ("sorting", "capitals")]
+    cut = summary["ttp_scores"]
+    other = [cut["sorting"]["capitals"]["rouge1"], cut["capitals"]["sorting"]["rouge1"]]
+    assert ttp["FedDPA-T"] == pytest.approx((sum(own_first) + sum(other)) / 4)
+    glob = summary["ttp_scores"]["global"]
+    assert ttp["FedDPA-T [global]"] == pytest.approx((glob["sorting"]["rouge1"] + glob["capitals"]["rouge1"]) / 2)
     # the full evaluation afterwards generates only what the cut one skipped, and its TTP uses every example
     spy.done.clear()
     full = evaluate_run(run.root, EvalOptions(max_new_tokens=2, batch_size=2, dtype="float32"), backend=spy)
