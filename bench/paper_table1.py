@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     evaluation = (f"{'all' if args.limit is None else f'the first {args.limit}'} test examples per task, "
                   + ("greedy" if args.num_beams == 1 else f"{args.num_beams} beams")
                   + f", {args.max_new_tokens} new tokens"
-                  + ("" if args.ttp_limit is None else f"; TTP: a client's model on the other tasks scores the "
-                     f"first {args.ttp_limit} examples of each"))
+                  + ("" if args.ttp_limit is None else f"; TTP: every model on the first {args.ttp_limit} "
+                     "examples of each task"))
     settings = {**vars(args), "evaluation": evaluation, "preset_note": note}
     rows = aggregate(cells)
     md = markdown(rows, cells, settings)

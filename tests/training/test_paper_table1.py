@@ -137,6 +137,7 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     cut = bench.main([*ARGS[:1], "fedit", *ARGS[2:], "--ttp-limit", "1", "--out", str(out)])
     assert sorted(p.name for p in (out / "cells").glob("fedit__*-ttp1.json")) == [
         "fedit__seed0__native__rouge1-2-b1-t2-ttp1.json", "fedit__seed1__native__rouge1-2-b1-t2-ttp1.json"]
-    assert [c["eval"]["ttp_limit"] for c in cut["cells"]] == [1, 1] and "first 1 examples of each" in cut["markdown"]
+    assert [c["eval"]["ttp_limit"] for c in cut["cells"]] == [1, 1]
+    assert "TTP: every model on the first 1 examples of each task" in cut["markdown"]
     with pytest.raises(SystemExit, match="another --out"):
         bench.main([*ARGS, "--rounds", "2", "--out", str(out)])
