@@ -1,7 +1,8 @@
 """Batch offline evaluation of run directories (paper 000 section 5.1): the application layer's evaluator.
 
-* :mod:`.evaluate`: the run evaluator (``evaluate_run``, ``compare_runs``): every client's personalised
-  model on every task's test set, then tables, plots and ``eval/results.json``;
+* :mod:`.evaluate`: the run evaluator (``evaluate_run``): every client's personalised model on every
+  task's test set, then tables, plots and ``eval/results.json``; :mod:`.compare`: evaluated runs side
+  by side (``--compare``);
 * :mod:`.testsets`, :mod:`.inputs`: the test sets scored (the run's own, or any other with ``--test``,
   written to ``eval/test-sets/<name>/``) and the checks done before any model is loaded;
 * :mod:`.backend`: what the evaluator asks of a generation backend (``EvalItem`` in, predictions out);

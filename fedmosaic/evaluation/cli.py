@@ -7,7 +7,8 @@ from pathlib import Path
 
 from adapters import AdapterError
 from fedmosaic.evaluation.backend import WEIGHTING
-from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, compare_runs, evaluate_run
+from fedmosaic.evaluation.compare import compare_runs
+from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, evaluate_run
 from fedmosaic.evaluation.inputs import AMOLE_MODELS
 from models import settings
 from routing.feddpa_options import add_option_arguments

@@ -180,7 +180,10 @@ def test_negative_slots_are_refused() -> None:
         EngineConfig(prefix_cache_slots=-1)
 
 
-def test_the_server_option_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("option", "field", "default"), [("--prefix-cache-slots", "prefix_cache_slots", 4),
+                                                       ("--route-state-cache", "route_state_cache", 4096)])
+def test_the_server_option_reaches_the_engine(monkeypatch: pytest.MonkeyPatch, option: str, field: str,
+                                              default: int) -> None:
     import argparse
 
     from serving.cli import add_serve_arguments, settings_from_args
@@ -188,9 +191,9 @@ def test_the_server_option_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser.add_subparsers())
-    assert stack_config(settings_from_args(parser.parse_args(["serve"]))).engine.prefix_cache_slots == 4
-    given = settings_from_args(parser.parse_args(["serve", "--prefix-cache-slots", "0"]))
-    assert stack_config(given).engine.prefix_cache_slots == 0
-    monkeypatch.setenv("FEDMOSAIC_SERVE_PREFIX_CACHE_SLOTS", "-2")
-    with pytest.raises(SystemExit, match="prefix_cache_slots"):
+    assert getattr(stack_config(settings_from_args(parser.parse_args(["serve"]))).engine, field) == default
+    given = settings_from_args(parser.parse_args(["serve", option, "0"]))
+    assert getattr(stack_config(given).engine, field) == 0
+    monkeypatch.setenv(f"FEDMOSAIC_SERVE_{field.upper()}", "-2")
+    with pytest.raises(SystemExit, match=field):
         settings_from_args(parser.parse_args(["serve"]))

@@ -104,18 +104,3 @@ def test_the_least_recently_used_state_is_forgotten() -> None:
     with pytest.raises(ValueError, match="route_state_cache must be >= 0"):
         EngineConfig(route_state_cache=-1)
 
-
-def test_the_server_option_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-
-    from serving.cli import add_serve_arguments, settings_from_args
-    from serving.stack import stack_config
-
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser.add_subparsers())
-    assert stack_config(settings_from_args(parser.parse_args(["serve"]))).engine.route_state_cache == 4096
-    given = settings_from_args(parser.parse_args(["serve", "--route-state-cache", "0"]))
-    assert stack_config(given).engine.route_state_cache == 0
-    monkeypatch.setenv("FEDMOSAIC_SERVE_ROUTE_STATE_CACHE", "-1")
-    with pytest.raises(SystemExit, match="route_state_cache"):
-        settings_from_args(parser.parse_args(["serve"]))

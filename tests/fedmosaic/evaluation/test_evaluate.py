@@ -307,6 +307,19 @@ def test_ttp_limit_cuts_only_a_clients_off_task_examples(tmp_path: Path) -> None
     assert ttp["FedDPA-T"] == pytest.approx((sum(own_first) + sum(other)) / 4)
     glob = summary["ttp_scores"]["global"]
     assert ttp["FedDPA-T [global]"] == pytest.approx((glob["sorting"]["rouge1"] + glob["capitals"]["rouge1"]) / 2)
+    from fedmosaic.evaluation.compare import compare_runs
+
+    # --compare reads the TTP scores on the cut examples, as the run's own table does
+    path = run.eval_dir / "results.json"
+    saved = json.loads(path.read_text())
+    for by_task in saved["ttp_scores"].values():
+        for entry in by_task.values():
+            entry["rouge1"] = 12.5  # unlike every full-grid score, so the block shows which grid it read
+    path.write_text(json.dumps(saved))
+    side = compare_runs([run.root])
+    row = next(line for line in side.split("Test-Time Personalization", 1)[1].splitlines()
+               if line.startswith("| FedDPA-T |"))
+    assert row.rstrip(" |").endswith("12.50")
     # the full evaluation afterwards generates only what the cut one skipped, and its TTP uses every example
     spy.done.clear()
     full = evaluate_run(run.root, EvalOptions(max_new_tokens=2, batch_size=2, dtype="float32"), backend=spy)

@@ -16,7 +16,8 @@ import pytest
 from adapters.rundir import RunDir
 from fedmosaic.cli import main
 from fedmosaic.evaluation.backend import EvalItem
-from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, compare_runs, evaluate_run
+from fedmosaic.evaluation.compare import compare_runs
+from fedmosaic.evaluation.evaluate import EvalOptions, EvalSetupError, evaluate_run
 from fedmosaic.evaluation.predictions import Prediction
 from tests.fedmosaic.evaluation.test_evaluate import build_run
 from training.data import DataError, write_suite
