@@ -89,21 +89,31 @@ def tokenizer_for(folder: str | None) -> object:
     raise SystemExit("no SmolLM2 tokenizer: pass --tokenizer DIR (a folder with tokenizer.json)")
 
 
-def build(geometry: str, tokenizer: object, max_len: int) -> tuple[LoadedModel, AdaptedModel]:
-    """A random bf16 model of ``geometry`` on CUDA with a global and 8 local random LoRA adapters."""
+def random_llama(geometry: str, max_len: int, device: torch.device, vocab_size: int | None = None,
+                 seed: int = 0) -> torch.nn.Module:
+    """A frozen random bf16 Llama of ``geometry`` built on ``device`` (no weights on disk, no host copy).
+
+    ``vocab_size`` widens the vocabulary to a tokenizer's (SmolLM2's 49,152 ids on LLaMA-7B's 32,000).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=max(max_len, 2048), bos_token_id=1,
+    shape = {**GEOMETRIES[geometry], **({"vocab_size": vocab_size} if vocab_size else {})}
+    config = LlamaConfig(**shape, max_position_embeddings=max(max_len, 2048), bos_token_id=1,
                          eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with DEVICE:
+        with device:
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
-    model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def build(geometry: str, tokenizer: object, max_len: int) -> tuple[LoadedModel, AdaptedModel]:
+    """A random bf16 model of ``geometry`` on CUDA with a global and 8 local random LoRA adapters."""
+    model = random_llama(geometry, max_len, DEVICE)
     adapted = inject(model, ("q_proj", "v_proj"))
     gen = torch.Generator().manual_seed(1)
     for name in ["global"] + [f"local{c}" for c in range(CLIENTS)]:

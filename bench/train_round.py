@@ -15,6 +15,9 @@ counted) and its loss (each client's mean step loss, as ``TrainResult.loss``) ar
 the plain loop's losses agree up to float order when LoRA dropout is off (``--lora-dropout 0``, the
 default here; with dropout on, the two layers draw different masks). ``--data feddpa1`` trains on FedDPA
 dataset 1's clients (``FEDMOSAIC_DATA_DIR``, the real spread of lengths) instead of the generated suite.
+``--random smollm2|llama7b`` builds a random bf16 model of SmolLM2's or LLaMA-7B's shape on the device
+instead of loading weights (for a GPU machine that has SmolLM2's tokenizer but not its weights; speed does
+not depend on the values; the vocabulary widens to the tokenizer's 49,152 ids).
 ``--profile FILE`` runs one more FedDPA-T round under the torch profiler, writes its Chrome trace to FILE
 and prints the top operators to stderr.
 
@@ -23,7 +26,7 @@ each the minimum over ``--repeats`` interleaved runs (the least disturbed by oth
 CPU), and the 1-minute load average to judge that. Both loops run on ``--device`` (default: the
 ``FEDMOSAIC_DEVICE`` setting, auto = CUDA when present) in the device's default dtype (``--dtype``
 overrides; bf16 on CUDA), and every timing waits for the device. Usage: ``python bench/train_round.py
-[--model smollm2|tiny|FOLDER] [--device auto|cpu|cuda|cuda:N] [--dtype D] [--data generated|feddpa1]
+[--model smollm2|tiny|FOLDER] [--random smollm2|llama7b] [--device auto|cpu|cuda|cuda:N] [--dtype D] [--data generated|feddpa1]
 [--clients 3] [--steps 3] [--batch 4] [--micro-batch 4] [--cutoff N] [--lora-dropout 0] [--repeats 1]
 [--threads N] [--profile FILE]``.
 """
@@ -39,12 +42,14 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from adapters.io import peft_key
 from models import LoadedModel, load_base_model
-from models.settings import DEVICE_HELP, DTYPES, device_option
+from models.loading import frozen
+from models.settings import DEVICE_HELP, DTYPES, device_option, resolve_device
 from training.aggregate import weighted_average
 from training.algorithms import get_method
 from training.data import Example, collate, generate_suite, load_dataset
@@ -52,8 +57,18 @@ from training.protocol import ClientContext, derive_seed
 from training.runtime import Runtime, TrainConfig, preset
 
 
-def _load(model: str, device: str | None, dtype: str | None) -> LoadedModel:
-    return load_base_model(model, dtype=dtype, device=device)  # type: ignore[arg-type]
+def _load(model: str, device: str | None, dtype: str | None, random: str | None = None) -> LoadedModel:
+    if random is None:
+        return load_base_model(model, dtype=dtype, device=device)  # type: ignore[arg-type]
+    # A random bf16 model of a named shape, built on the device; the tokenizer is --model's (a folder
+    # with tokenizer.json) or the prepared SmolLM2's, and its ids widen the vocabulary where needed.
+    from gpu_decode import random_llama, tokenizer_for
+
+    if dtype not in (None, "bfloat16"):
+        raise SystemExit(f"--random builds a bfloat16 model; --dtype {dtype} does not apply")
+    tokenizer = tokenizer_for(model if Path(model).is_dir() else None)
+    model_obj = random_llama(random, 4096, resolve_device(device), vocab_size=len(tokenizer))  # type: ignore[arg-type]
+    return frozen(model_obj, tokenizer, f"random-{random}", "bfloat16")
 
 
 def as_transformers_loads_it(loaded: LoadedModel) -> LoadedModel:
@@ -187,6 +202,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or a model folder")
     parser.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
+    parser.add_argument("--random", choices=("smollm2", "llama7b"), default=None,
+                        help="a random bf16 model of this shape built on the device instead of --model's weights "
+                             "(the tokenizer comes from --model's folder or the prepared SmolLM2)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: the device's (bf16 on CUDA)")
     parser.add_argument("--data", default="generated",
                         help="generated (the project's suite, default) or feddpa1/feddpa2/dolly (FEDMOSAIC_DATA_DIR)")
@@ -213,12 +231,12 @@ def main() -> None:
                    cutoff_len=cutoff, lr=3e-4)
     train = dataclasses.replace(train, lora=dataclasses.replace(train.lora, dropout=args.lora_dropout))
     clients = _clients(args.data, args.seed, max(args.batch * 2, 8), args.clients)
-    ours = Runtime(_load(args.model, args.device, args.dtype), train)
+    ours = Runtime(_load(args.model, args.device, args.dtype, args.random), train)
     examples = {c.client_id: ours.examples(c) for c in clients}
     # Warm-up: first forward/backward pays one-off allocation and kernel selection costs.
     protocol_round("fedit", ours, clients[:1], 0, args.seed)
     # a second copy: our injection wraps the first model's Linears
-    plain_loaded = as_transformers_loads_it(_load(args.model, args.device, args.dtype))
+    plain_loaded = as_transformers_loads_it(_load(args.model, args.device, args.dtype, args.random))
     plain_model = peft_model(plain_loaded, train)
     fedit = get_method("fedit")
     start_state = fedit.strategy({**fedit.defaults, "seed": args.seed}).initial_state(ours)
@@ -245,7 +263,8 @@ def main() -> None:
     lengths = [len(e.input_ids) for exs in examples.values() for e in exs]
     print(json.dumps({
         "benchmark": "train_round",
-        "model": args.model,
+        "model": f"random {args.random}-shaped" if args.random else args.model,
+        "parameters": sum(p.numel() for p in ours.loaded.model.parameters()),
         "data": args.data,
         "device": str(ours.device),
         "gpu": torch.cuda.get_device_name(ours.device) if ours.device.type == "cuda" else None,
