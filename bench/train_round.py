@@ -26,9 +26,9 @@ each the minimum over ``--repeats`` interleaved runs (the least disturbed by oth
 CPU), and the 1-minute load average to judge that. Both loops run on ``--device`` (default: the
 ``FEDMOSAIC_DEVICE`` setting, auto = CUDA when present) in the device's default dtype (``--dtype``
 overrides; bf16 on CUDA), and every timing waits for the device. Usage: ``python bench/train_round.py
-[--model smollm2|tiny|FOLDER] [--random smollm2|llama7b] [--device auto|cpu|cuda|cuda:N] [--dtype D] [--data generated|feddpa1]
-[--clients 3] [--steps 3] [--batch 4] [--micro-batch 4] [--cutoff N] [--lora-dropout 0] [--repeats 1]
-[--threads N] [--profile FILE]``.
+[--model smollm2|tiny|FOLDER] [--random smollm2|llama7b] [--device auto|cpu|cuda|cuda:N] [--dtype D]
+[--data generated|feddpa1] [--clients 3] [--steps 3] [--batch 4] [--micro-batch 4] [--cutoff N]
+[--lora-dropout 0] [--repeats 1] [--threads N] [--profile FILE]``.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def _serve(run: Path, device: str) -> list[Outcome]:
     config = StackConfig(model="tiny", dtype="float32", device=device, run_dir=run, feddpa=FedDPAOptions(mode="knn"))
     stack = build_stack(config)
     assert stack.loaded.device.type == device
-    targets = [t for t in ("sorting", "capitals", "global", "sorting:local") if t in stack.models()]
+    targets = [t for t in ("sorting", "capitals", "global", "sorting:local", "amole:sorting") if t in stack.models()]
     jobs = [Job(target=t, prompt=p, sampling=SamplingParams(max_tokens=6, temperature=0.0)) for t in targets
             for p in PROMPTS]
     outcomes = list(stack.run(jobs))
@@ -65,31 +65,46 @@ def _serve(run: Path, device: str) -> list[Outcome]:
     return outcomes
 
 
-def _reference(run: Path) -> tuple[AdaptedModel, object, dict]:
-    """The run's adapters in a float32 CPU model (the judge of every greedy token)."""
+Reference = tuple[AdaptedModel, object, dict]
+
+
+def _amole_reference(folder: Path, client: str) -> Reference:
     loaded = tiny_llama()
     adapted = inject(loaded.model)
-    amole: dict = {}
+    assignments, top_k = load_amole(adapted, folder)
+    return adapted, loaded.tokenizer, {"assignment": assignments[client], "top_k": top_k}
+
+
+def _reference(run: Path) -> dict[str, Reference]:
+    """Served target -> the run's adapters for it in a float32 CPU model (the judge of every greedy token).
+
+    A FedAMoLE client is served by its own model (``adapters/clients/<id>/amole``, the default export) and
+    ``amole:<client>`` by its route in the aggregated pool (``adapters/amole``).
+    """
     if (run / "adapters" / "amole").is_dir():
-        assignments, top_k = load_amole(adapted, run / "adapters" / "amole")
-        amole = {"assignments": assignments, "top_k": top_k}
-    else:
-        load_adapter(adapted, run / "adapters" / "global", "global", check_base=False)
-        for client in FAMILIES:
-            load_adapter(adapted, run / "adapters" / "clients" / client / "local", f"{client}:local", check_base=False)
-    return adapted, loaded.tokenizer, amole
+        refs = {f"amole:{c}": _amole_reference(run / "adapters" / "amole", c) for c in FAMILIES}
+        for c in FAMILIES:
+            own = run / "adapters" / "clients" / c / "amole"
+            refs[c] = _amole_reference(own, c) if own.is_dir() else refs[f"amole:{c}"]
+        return refs
+    loaded = tiny_llama()
+    adapted = inject(loaded.model)
+    load_adapter(adapted, run / "adapters" / "global", "global", check_base=False)
+    for client in FAMILIES:
+        load_adapter(adapted, run / "adapters" / "clients" / client / "local", f"{client}:local", check_base=False)
+    return dict.fromkeys(("global", "sorting:local", *FAMILIES), (adapted, loaded.tokenizer, {}))
 
 
-def _assert_cpu_argmax(reference: tuple[AdaptedModel, object, dict], outcome: Outcome) -> None:
-    adapted, tokenizer, amole = reference
+def _assert_cpu_argmax(references: dict[str, Reference], outcome: Outcome) -> None:
+    adapted, tokenizer, amole = references[outcome.job.target]
     assert outcome.result is not None and outcome.job.prompt is not None
     prompt = list(tokenizer(outcome.job.prompt, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
     tokens = list(outcome.result.token_ids)
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         if amole:
-            routing = AMoLERouting(groups=(amole["assignments"][outcome.job.target],),
-                                   row_group=torch.zeros(1, dtype=torch.long), top_k=amole["top_k"])
+            routing = AMoLERouting(groups=(amole["assignment"],), row_group=torch.zeros(1, dtype=torch.long),
+                                   top_k=amole["top_k"])
             with adapted.context.route_tokens(routing):
                 logits = adapted.model(input_ids=ids).logits[0]
         else:
@@ -109,6 +124,8 @@ def test_a_run_trained_on_one_device_is_served_on_the_other(runs: dict, method: 
     run = runs[(method, trained)]
     reference = _reference(run)
     outcomes = _serve(run, served)
+    if method == "fedamole":  # each client's own model and its route in the aggregated pool
+        assert {"sorting", "capitals", "amole:sorting"} <= {o.job.target for o in outcomes}
     for outcome in outcomes:
         _assert_cpu_argmax(reference, outcome)
     if method == "feddpa-t":  # the routed weight does not depend on where the request is embedded

