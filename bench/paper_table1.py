@@ -8,6 +8,10 @@ base model; all test examples unless ``--limit``; predictions cached per decodin
 ``<out>/cells/<method>__seed<k>__<rule>.json`` atomically. A cell whose file exists is skipped, so the
 table can be built over several sessions: run the same command again.
 
+FedLoRA and FedDPA-F train exactly FedIT's rounds: with FedIT's run of the seed finished, theirs start from
+a copy of its round checkpoints and compute only their end (``bench/table_runs.py``; the cell says
+``rounds_from`` and its training seconds include the rounds').
+
 FedDPA-F and FedDPA-T get two cells per seed from one training run: the paper's instance-wise rule
 (``paper``, paper 000 section 4.3: the paper's columns) and ``calibrated`` (our extension,
 ``routing/calibration.py``, its constants chosen per client on a validation split of its training
@@ -41,12 +45,14 @@ from typing import Any
 from adapters.rundir import RunDir
 from fedmosaic.evaluation.evaluate import EvalOptions, evaluate_run, output_dir
 from fedmosaic.evaluation.predictions import PredictionCache
-from models import load_base_model
 from training.algorithms import ALGORITHMS
 from training.cli import method_settings
-from training.data import load_dataset
 from training.regime import BUDGETS
-from training.simulation import SimConfig, run_federated
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from a file
+
+import table_runs  # noqa: E402
+from table_runs import check_training_settings, write_json  # noqa: E402
 
 LABELS = {"fedit": "FedIT", "fedlora": "FedLoRA", "feddpa-f": "FedDPA-F", "feddpa-t": "FedDPA-T", "local": "Local",
           "fedoa": "FedOA", "fedmcp": "FedMCP", "fedamole": "FedAMoLE", "pfedseq": "pFedSeq",
@@ -79,63 +85,12 @@ def method_options(items: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` atomically: a reader (or a resumed run) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 def cell_path(out: Path, method: str, seed: int, rule: str, args: argparse.Namespace) -> Path:
     """Where one cell's result lives: its name says the evaluation setting, so settings never share a cell."""
     setting = f"{args.metric}-{'all' if args.limit is None else args.limit}-b{args.num_beams}-t{args.max_new_tokens}"
     if args.ttp_limit is not None:
         setting += f"-ttp{args.ttp_limit}"
     return out / "cells" / f"{method}__seed{seed}__{rule}__{setting}.json"
-
-
-def check_training_settings(out: Path, args: argparse.Namespace) -> None:
-    """Record what the runs under ``out`` are trained with; refuse another setting (the runs would be reused).
-
-    Raises:
-        SystemExit: ``out`` holds runs trained otherwise (the message names both settings).
-    """
-    keys = ("preset", "data", "data_option", "rounds", "model", "leave_out", "option")
-    mine = {k: getattr(args, k) for k in keys}
-    path = out / "table1_settings.json"
-    if path.is_file():
-        theirs = json.loads(path.read_text())
-        if theirs != mine:
-            raise SystemExit(f"paper_table1: {out} holds runs trained with {theirs}, not {mine}: use another --out")
-    else:
-        write_json(path, mine)
-
-
-def train_run(method: str, seed: int, args: argparse.Namespace, data_options: dict[str, Any],
-              options: dict[str, Any]) -> dict[str, Any]:
-    """Train (or reuse, or resume) ``<out>/<method>/seed<k>``; returns its training record."""
-    run_dir = Path(args.out) / method / f"seed{seed}"
-    record = run_dir / "table1_train.json"
-    if record.is_file():
-        return {**json.loads(record.read_text()), "reused": True}
-    if (run_dir / "summary.json").is_file():  # a run finished before this script recorded it: its own figures
-        done = json.loads((run_dir / "summary.json").read_text())
-        info = {"train_seconds": done.get("seconds"), "rounds": done.get("rounds"),
-                "losses": [round(x, 4) for x in done.get("losses", [])], "failures": len(done.get("failures", []))}
-        write_json(record, info)
-        return {**info, "reused": True}
-    eff = method_settings(method, args.preset, args.rounds, options)
-    dataset = load_dataset(args.data, **data_options)
-    loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)  # a fresh base per run
-    began = time.perf_counter()
-    result = run_federated(method, dataset, loaded, run_dir, SimConfig(rounds=eff.rounds, seed=seed), eff.train,
-                           eff.options, resume=(run_dir / "run.json").is_file(), data_spec=args.data,
-                           data_options=data_options, model_name=args.model, preset_name=args.preset)
-    info = {"train_seconds": round(time.perf_counter() - began, 1), "rounds": eff.rounds,
-            "losses": [round(x, 4) for x in result.losses], "failures": len(result.failures)}
-    write_json(record, info)
-    return {**info, "reused": False}
 
 
 def eval_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -190,6 +145,8 @@ def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train:
                             "train_seconds": train.get("train_seconds"), "losses": train.get("losses"),
                             "eval_seconds": round(time.perf_counter() - began, 1),
                             "n_per_task": summary["test_set"]["tasks"]}
+    if train.get("rounds_from"):  # its rounds are another run's (table_runs.ROUNDS_OF); seconds include theirs
+        cell["rounds_from"] = train["rounds_from"]
     for block, rows in summary["tables"].items():
         own = rows[0]  # the method's personalised models; the [global] and [base] rows follow
         cell[block] = {"values": own["values"], "avg": own["avg"]}
@@ -370,7 +327,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     done.append(path.name)
                     continue
                 try:
-                    train = train or train_run(method, seed, args, data_options, per_method.get(method, {}))
+                    train = train or table_runs.train_run(
+                        method, seed, args, data_options, per_method.get(method, {}),
+                        per_method.get(table_runs.ROUNDS_OF.get(method, ""), {}))
                     cell = run_cell(method, seed, rule, args, train)
                 except Exception as exc:  # one broken cell must not lose the others: reported, exit code 1
                     failed.append({"cell": path.name, "error": f"{type(exc).__name__}: {exc}"})

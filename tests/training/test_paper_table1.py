@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--methods", "fedit,feddpa-t", "--data", "generated", "--data-option", "n_train=4",
@@ -116,7 +118,7 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
         evaluated.append(f"{Path(run_dir).parent.name}/{opts.feddpa_weighting}")
         return real_eval(run_dir, opts)
 
-    monkeypatch.setattr(bench, "run_federated", no_training)
+    monkeypatch.setattr(bench.table_runs, "run_federated", no_training)
     monkeypatch.setattr(bench, "evaluate_run", counting_eval)
     again = bench.main([*ARGS, "--out", str(out)])
     assert evaluated == ["feddpa-t/calibrated"] and again["failed"] == [] and len(again["skipped"]) == 5
@@ -141,3 +143,57 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "TTP: every model on the first 1 examples of each task" in cut["markdown"]
     with pytest.raises(SystemExit, match="another --out"):
         bench.main([*ARGS, "--rounds", "2", "--out", str(out)])
+
+
+def test_fedlora_and_feddpa_f_start_from_fedits_rounds_bit_for_bit(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import load_file
+
+    from training.algorithms.fedit import FedAvgClient
+
+    bench = _bench()
+    common = [*ARGS[2:ARGS.index("--rounds")], "--rounds", "2", "--seeds", "0", "--limit", "2",
+              "--max-new-tokens", "2", "--dtype", "float32"]
+    derived, scratch = tmp_path / "derived", tmp_path / "scratch"
+    assert bench.main(["--methods", "fedit", *common, "--out", str(derived)])["failed"] == []
+
+    def no_rounds(*_a, **_k):  # noqa: ANN202
+        raise AssertionError("FedIT's rounds were trained again")
+
+    monkeypatch.setattr(FedAvgClient, "fit", no_rounds)  # FineTuneClient's rounds are FedAvgClient.fit
+    report = bench.main(["--methods", "fedlora,feddpa-f", *common, "--out", str(derived)])
+    monkeypatch.undo()
+    assert report["failed"] == []
+    fedit_train = json.loads((derived / "fedit" / "seed0" / "table1_train.json").read_text())
+    cells = [c for c in report["cells"] if c["method"] != "fedit"]  # the report tabulates FedIT's cell too
+    assert {c["method"] for c in cells} == {"fedlora", "feddpa-f"}
+    for cell in cells:
+        record = json.loads((derived / cell["method"] / "seed0" / "table1_train.json").read_text())
+        assert record["rounds_from"] == cell["rounds_from"] == "fedit/seed0"
+        assert record["losses"] == fedit_train["losses"] == cell["losses"]
+        assert record["train_seconds"] == pytest.approx(fedit_train["train_seconds"] + record["own_seconds"], abs=0.11)
+
+    alone = bench.main(["--methods", "fedlora,feddpa-f", *common, "--out", str(scratch)])
+    assert alone["failed"] == []
+    for method in ("fedlora", "feddpa-f"):
+        assert "rounds_from" not in json.loads((scratch / method / "seed0" / "table1_train.json").read_text())
+        files = sorted(p.relative_to(scratch) for p in (scratch / method / "seed0" / "adapters").rglob("*.safetensors"))
+        assert len(files) >= 3  # the global and each client's local adapter
+        for rel in files:
+            a, b = load_file(str(scratch / rel)), load_file(str(derived / rel))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+    theirs = {(c["method"], c["rule"]): c for c in alone["cells"]}
+    for cell in cells:  # the same adapters answer the same: every score equal
+        other = theirs[(cell["method"], cell["rule"])]
+        assert (cell["personalization"], cell["ttp"]) == (other["personalization"], other["ttp"])
+    # with method options the rounds are trained (they may differ from FedIT's); a run of its own resumes
+    third = tmp_path / "third"
+    shutil.copytree(derived / "fedit", third / "fedit")
+    opts = bench.parse_args(["--methods", "fedlora", *common, "--out", str(third)])
+    assert bench.table_runs.rounds_source("fedlora", 0, opts, {}, {}) == third / "fedit" / "seed0"
+    assert bench.table_runs.rounds_source("fedlora", 0, opts, {"weighting": "examples"}, {}) is None
+    assert bench.table_runs.rounds_source("fedlora", 0, opts, {}, {"mu": 0.1}) is None
+    assert bench.table_runs.rounds_source("feddpa-t", 0, opts, {}, {}) is None
+    (third / "fedlora" / "seed0").mkdir(parents=True)
+    (third / "fedlora" / "seed0" / "run.json").write_text("{}")
+    assert bench.table_runs.rounds_source("fedlora", 0, opts, {}, {}) is None

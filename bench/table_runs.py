@@ -1,0 +1,129 @@
+"""The trained runs behind ``bench/paper_table1.py``'s cells: trained once, resumed, reused, or derived.
+
+``<out>/<method>/seed<k>`` is trained with the in-process simulator; a finished run (``summary.json``)
+is reused and an interrupted one resumes from its last complete round. FedLoRA and FedDPA-F train
+exactly FedIT's rounds (paper 000 s4.2; ``training/algorithms/local.py``, ``feddpa.py``) and differ only
+at the end, where each client fine-tunes the final global (and FedDPA-F embeds its local instances).
+So when FedIT's run of the same seed is finished and both methods run at the same settings, their run
+starts from a copy of FedIT's round checkpoints and computes only that end: the round loop's resume,
+which ends with the adapters of an uninterrupted run (``tests/training/test_paper_table1.py`` checks the
+derived run against one trained from scratch, bit for bit). Its record says where the rounds came from
+and counts their seconds, so the table's training time is what the method costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from models import load_base_model
+from training.cli import method_settings
+from training.data import load_dataset
+from training.simulation import SimConfig, run_federated
+
+ROUNDS_OF = {"fedlora": "fedit", "feddpa-f": "fedit"}  # methods whose rounds are another's, bit for bit
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically: a reader (or a resumed run) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def check_training_settings(out: Path, args: argparse.Namespace) -> None:
+    """Record what the runs under ``out`` are trained with; refuse another setting (the runs would be reused).
+
+    Raises:
+        SystemExit: ``out`` holds runs trained otherwise (the message names both settings).
+    """
+    keys = ("preset", "data", "data_option", "rounds", "model", "leave_out", "option")
+    mine = {k: getattr(args, k) for k in keys}
+    path = out / "table1_settings.json"
+    if path.is_file():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            raise SystemExit(f"paper_table1: {out} holds runs trained with {theirs}, not {mine}: use another --out")
+    else:
+        write_json(path, mine)
+
+
+def rounds_source(method: str, seed: int, args: argparse.Namespace, options: dict[str, Any],
+                  source_options: dict[str, Any]) -> Path | None:
+    """The finished run whose rounds ``method``'s run may start from, or None (train them).
+
+    Only for :data:`ROUNDS_OF`'s methods, neither given method options, under the same training settings
+    and rounds; ``run.json`` absent, so an interrupted run of the method itself resumes as its own.
+    """
+    source = ROUNDS_OF.get(method)
+    out = Path(args.out)
+    if source is None or options or source_options or (out / method / f"seed{seed}" / "run.json").is_file():
+        return None
+    src = out / source / f"seed{seed}"
+    if not (src / "summary.json").is_file() or not (src / "table1_train.json").is_file():
+        return None
+    mine = method_settings(method, args.preset, args.rounds)
+    theirs = method_settings(source, args.preset, args.rounds)
+    return src if (mine.train, mine.rounds) == (theirs.train, theirs.rounds) else None
+
+
+def copy_rounds(src: Path, run_dir: Path) -> None:
+    """Copy ``src``'s round checkpoints and metrics rows into ``run_dir`` (no run.json: the resume writes it).
+
+    An interrupted copy is harmless: a round whose files do not verify is not a resume point, and the
+    next attempt copies again over it.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src / "rounds", run_dir / "rounds", dirs_exist_ok=True)
+    if (src / "metrics.jsonl").is_file():
+        shutil.copyfile(src / "metrics.jsonl", run_dir / "metrics.jsonl")
+
+
+def train_run(method: str, seed: int, args: argparse.Namespace, data_options: dict[str, Any],
+              options: dict[str, Any], source_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train (or reuse, resume, or derive) ``<out>/<method>/seed<k>``; returns its training record.
+
+    Args:
+        method: the method.
+        seed: the run's seed.
+        args: paper_table1's arguments (``out``, ``preset``, ``rounds``, ``data``, ``model`` ...).
+        data_options: the data loader's options.
+        options: the method's options (``--option METHOD:KEY=VALUE``).
+        source_options: the options given to the method :data:`ROUNDS_OF` names, if any.
+    """
+    run_dir = Path(args.out) / method / f"seed{seed}"
+    record = run_dir / "table1_train.json"
+    if record.is_file():
+        return {**json.loads(record.read_text()), "reused": True}
+    if (run_dir / "summary.json").is_file():  # a run finished before this script recorded it: its own figures
+        done = json.loads((run_dir / "summary.json").read_text())
+        info = {"train_seconds": done.get("seconds"), "rounds": done.get("rounds"),
+                "losses": [round(x, 4) for x in done.get("losses", [])], "failures": len(done.get("failures", []))}
+        write_json(record, info)
+        return {**info, "reused": True}
+    src = rounds_source(method, seed, args, options, source_options or {})
+    if src is not None:
+        copy_rounds(src, run_dir)
+    eff = method_settings(method, args.preset, args.rounds, options)
+    dataset = load_dataset(args.data, **data_options)
+    loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)  # a fresh base per run
+    began = time.perf_counter()
+    result = run_federated(method, dataset, loaded, run_dir, SimConfig(rounds=eff.rounds, seed=seed), eff.train,
+                           eff.options, resume=src is not None or (run_dir / "run.json").is_file(),
+                           data_spec=args.data, data_options=data_options, model_name=args.model,
+                           preset_name=args.preset)
+    seconds = round(time.perf_counter() - began, 1)
+    info = {"train_seconds": seconds, "rounds": eff.rounds, "losses": [round(x, 4) for x in result.losses],
+            "failures": len(result.failures)}
+    if src is not None:  # the rounds are the source's: their losses and seconds, plus this run's end
+        shared = json.loads((src / "table1_train.json").read_text())
+        info.update(train_seconds=round(float(shared["train_seconds"]) + seconds, 1), losses=shared["losses"],
+                    rounds_from=f"{src.parent.name}/{src.name}", own_seconds=seconds)
+    write_json(record, info)
+    return {**info, "reused": False}
