@@ -90,6 +90,8 @@ def cell_path(out: Path, method: str, seed: int, rule: str, args: argparse.Names
     setting = f"{args.metric}-{'all' if args.limit is None else args.limit}-b{args.num_beams}-t{args.max_new_tokens}"
     if args.ttp_limit is not None:
         setting += f"-ttp{args.ttp_limit}"
+    if method == "fedoa" and args.leave_out:  # trained without those tasks: another run, another cell
+        setting += "-lo-" + "+".join(t for t in args.leave_out.split(",") if t)
     return out / "cells" / f"{method}__seed{seed}__{rule}__{setting}.json"
 
 

@@ -40,18 +40,34 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 def check_training_settings(out: Path, args: argparse.Namespace) -> None:
     """Record what the runs under ``out`` are trained with; refuse another setting (the runs would be reused).
 
+    ``--leave-out`` is FedOA's alone, so it is checked per run (:func:`check_run_data`), not here: one
+    ``out`` holds the main methods' runs and FedOA's leave-one-task-out run.
+
     Raises:
         SystemExit: ``out`` holds runs trained otherwise (the message names both settings).
     """
-    keys = ("preset", "data", "data_option", "rounds", "model", "leave_out", "option")
+    keys = ("preset", "data", "data_option", "rounds", "model", "option")
     mine = {k: getattr(args, k) for k in keys}
     path = out / "table1_settings.json"
     if path.is_file():
         theirs = json.loads(path.read_text())
-        if theirs != mine:
+        if {k: theirs.get(k) for k in keys} != mine:
             raise SystemExit(f"paper_table1: {out} holds runs trained with {theirs}, not {mine}: use another --out")
     else:
         write_json(path, mine)
+
+
+def check_run_data(run_dir: Path, data_options: dict[str, Any]) -> None:
+    """Refuse to reuse or resume a run whose data options differ (FedOA's held-out tasks).
+
+    Raises:
+        SystemExit: the run at ``run_dir`` was trained on other data options (both are named).
+    """
+    if (run_dir / "run.json").is_file():
+        theirs = json.loads((run_dir / "run.json").read_text()).get("data_options") or {}
+        if theirs != data_options:
+            raise SystemExit(f"paper_table1: {run_dir} was trained with data options {theirs}, not {data_options}: "
+                             "use another --out")
 
 
 def rounds_source(method: str, seed: int, args: argparse.Namespace, options: dict[str, Any],
@@ -98,6 +114,7 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
         source_options: the options given to the method :data:`ROUNDS_OF` names, if any.
     """
     run_dir = Path(args.out) / method / f"seed{seed}"
+    check_run_data(run_dir, data_options)
     record = run_dir / "table1_train.json"
     if record.is_file():
         return {**json.loads(record.read_text()), "reused": True}

@@ -197,3 +197,26 @@ def test_fedlora_and_feddpa_f_start_from_fedits_rounds_bit_for_bit(tmp_path: Pat
     (third / "fedlora" / "seed0").mkdir(parents=True)
     (third / "fedlora" / "seed0" / "run.json").write_text("{}")
     assert bench.table_runs.rounds_source("fedlora", 0, opts, {}, {}) is None
+
+
+def test_fedoas_leave_out_run_shares_the_table_and_is_never_mixed_up(tmp_path: Path) -> None:
+    bench = _bench()
+    out = tmp_path / "t1"
+    common = [*ARGS[2:ARGS.index("--seeds")], "--seeds", "0", "--limit", "2", "--max-new-tokens", "2",
+              "--dtype", "float32", "--out", str(out)]
+    assert bench.main(["--methods", "fedit", *common])["failed"] == []
+    # the main methods' out directory takes FedOA's leave-one-task-out run (paper 001's protocol)
+    report = bench.main(["--methods", "fedoa", *common, "--leave-out", "capitals"])
+    assert report["failed"] == []
+    (cell,) = [c for c in report["cells"] if c["method"] == "fedoa"]
+    assert (out / "cells" / "fedoa__seed0__native__rouge1-2-b1-t2-lo-capitals.json").is_file()
+    assert "capitals" in json.dumps(cell["ood"]) and set(cell["personalization"]["values"]) == {"sorting"}
+    run = json.loads((out / "fedoa" / "seed0" / "run.json").read_text())
+    assert run["data_options"]["leave_out"] == ["capitals"]
+    # the same run is never reused or resumed for another held-out task, nor without one
+    with pytest.raises(SystemExit, match="data options"):
+        bench.main(["--methods", "fedoa", *common, "--leave-out", "sorting"])
+    with pytest.raises(SystemExit, match="data options"):
+        bench.main(["--methods", "fedoa", *common])
+    with pytest.raises(SystemExit, match="another --out"):  # shared settings are still checked
+        bench.main(["--methods", "fedit", *common, "--rounds", "3"])
