@@ -27,6 +27,7 @@ from training.data import load_dataset
 from training.simulation import SimConfig, run_federated
 
 ROUNDS_OF = {"fedlora": "fedit", "feddpa-f": "fedit"}  # methods whose rounds are another's, bit for bit
+FROM = "table1_rounds_from.json"  # in a derived run: whose rounds it holds (kept through an interruption)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -75,7 +76,8 @@ def rounds_source(method: str, seed: int, args: argparse.Namespace, options: dic
     """The finished run whose rounds ``method``'s run may start from, or None (train them).
 
     Only for :data:`ROUNDS_OF`'s methods, neither given method options, under the same training settings
-    and rounds; ``run.json`` absent, so an interrupted run of the method itself resumes as its own.
+    and rounds; ``run.json`` absent, so an interrupted run of the method itself resumes as its own (a
+    derived run that was interrupted says so in :data:`FROM`).
     """
     source = ROUNDS_OF.get(method)
     out = Path(args.out)
@@ -127,6 +129,9 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
     src = rounds_source(method, seed, args, options, source_options or {})
     if src is not None:
         copy_rounds(src, run_dir)
+        write_json(run_dir / FROM, {"rounds_from": f"{src.parent.name}/{src.name}"})
+    elif (run_dir / FROM).is_file():  # a derived run interrupted after it began: still the source's rounds
+        src = Path(args.out) / json.loads((run_dir / FROM).read_text())["rounds_from"]
     eff = method_settings(method, args.preset, args.rounds, options)
     dataset = load_dataset(args.data, **data_options)
     loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)  # a fresh base per run

@@ -173,6 +173,17 @@ def test_fedlora_and_feddpa_f_start_from_fedits_rounds_bit_for_bit(tmp_path: Pat
         assert record["losses"] == fedit_train["losses"] == cell["losses"]
         assert record["train_seconds"] == pytest.approx(fedit_train["train_seconds"] + record["own_seconds"], abs=0.11)
 
+    # interrupted after its run began (run.json written, no summary): resumed, it still says whose rounds
+    run_dir = derived / "fedlora" / "seed0"
+    for name in ("table1_train.json", "summary.json"):
+        (run_dir / name).unlink()
+    for cell_file in (derived / "cells").glob("fedlora__*"):
+        cell_file.unlink()
+    again = bench.main(["--methods", "fedlora", *common, "--out", str(derived)])
+    record = json.loads((run_dir / "table1_train.json").read_text())
+    assert again["failed"] == [] and record["rounds_from"] == "fedit/seed0"
+    assert record["losses"] == fedit_train["losses"] and record["train_seconds"] > fedit_train["train_seconds"]
+
     alone = bench.main(["--methods", "fedlora,feddpa-f", *common, "--out", str(scratch)])
     assert alone["failed"] == []
     for method in ("fedlora", "feddpa-f"):
