@@ -292,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every missing cell, then tabulate all requested cells; returns (and prints) the JSON report."""
     args = parse_args(argv)
+    if args.leave_out is not None and not [t for t in args.leave_out.split(",") if t.strip()]:
+        raise SystemExit(f"paper_table1: --leave-out needs task names, got {args.leave_out!r}")
     note = None
     if args.preset is None:
         args.preset, note = default_preset()

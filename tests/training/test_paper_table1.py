@@ -229,5 +229,7 @@ def test_fedoas_leave_out_run_shares_the_table_and_is_never_mixed_up(tmp_path: P
         bench.main(["--methods", "fedoa", *common, "--leave-out", "sorting"])
     with pytest.raises(SystemExit, match="data options"):
         bench.main(["--methods", "fedoa", *common])
+    with pytest.raises(SystemExit, match="needs task names"):
+        bench.main(["--methods", "fedoa", *common, "--leave-out", ","])
     with pytest.raises(SystemExit, match="another --out"):  # shared settings are still checked
         bench.main(["--methods", "fedit", *common, "--rounds", "3"])
