@@ -147,6 +147,8 @@ def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train:
                             "train_seconds": train.get("train_seconds"), "losses": train.get("losses"),
                             "eval_seconds": round(time.perf_counter() - began, 1),
                             "n_per_task": summary["test_set"]["tasks"]}
+    if "answers" in summary:  # eval_seconds paid for the generated ones; the cached came from an earlier call
+        cell["answers"] = summary["answers"]
     if train.get("rounds_from"):  # its rounds are another run's (table_runs.ROUNDS_OF); seconds include theirs
         cell["rounds_from"] = train["rounds_from"]
     for block, rows in summary["tables"].items():
@@ -248,14 +250,23 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
                 lines.append(f"| {_name(r)} | " + " | ".join(vals) + f" | {_pm(r[block]['avg'])} |")
     lines += ["", "Per cell (training seconds are per run, shared by a run's two weighting rules; the run's "
               "global adapter alone beside its personalised models):", "",
-              "| Method | Rule | Seed | Train s | Eval s | Personalization | TTP | Global: Pers. | Global: TTP |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| Method | Rule | Seed | Train s | Eval s | Answers made | Personalization | TTP | Global: Pers. "
+              "| Global: TTP |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         glob = c.get("global") or {}
         figures = [(c.get("personalization") or {}).get("avg"), (c.get("ttp") or {}).get("avg"),
                    glob.get("personalization"), glob.get("ttp")]
-        lines.append(f"| {c['label']} | {c['rule']} | {c['seed']} | {c.get('train_seconds')} | {c['eval_seconds']} | "
-                     + " | ".join("–" if v is None else f"{float(v):.2f}" for v in figures) + " |")
+        made = (c.get("answers") or {}).get("generated", "–")
+        mark = "*" if c.get("eval_note") else ""
+        shown = " | ".join("–" if v is None else f"{float(v):.2f}" for v in figures)
+        lines.append(f"| {c['label']} | {c['rule']} | {c['seed']} | {c.get('train_seconds')} | "
+                     f"{c['eval_seconds']}{mark} | {made} | {shown} |")
+    notes = [c for c in cells if c.get("eval_note")]
+    if notes or any("answers" in c for c in cells):
+        lines += ["", "\"Answers made\" counts the answers a cell's evaluation generated (its Eval s); the rest "
+                  "it scored were cached (the shared base answers, or an interrupted evaluation's)."]
+    lines += [f"\\* {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
     base = next((c["base"] for c in cells if c.get("base")), None)
     if base is not None:
         lines += ["", f"The base model without adapters: Personalization {float(base['personalization']):.2f}, "

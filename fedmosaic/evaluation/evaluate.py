@@ -208,6 +208,7 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         for i in cache.missing("final", key, task, prompts[task][:count[key, task]], tag):
             items.append(EvalItem("final", key, task, i, targets[key], prompts[task][i], tests[task][i].output, tag))
     _generate_into(cache, backend, items, "eval")
+    scored = sum(count[job] for job in jobs)
     grid: dict[str, dict[str, Scores]] = {}
     ttp_grid: dict[str, dict[str, Scores]] = {}
     weights: dict[str, dict[str, list[float]]] = {}
@@ -234,6 +235,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
         summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
+    # What this call generated and what it found cached (an earlier, interrupted call's or shared answers)
+    summary["answers"] = {"generated": len(items), "cached": scored - len(items)}
     if amole is not None:
         summary["amole_model"] = amole
     if weights:

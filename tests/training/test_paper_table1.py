@@ -82,6 +82,8 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     assert sum(1 for key, _ in generated if key == "base") == 4
     assert sum(1 for key, _ in generated if key == "global") == 2 * 4  # FedDPA-T's own; FedIT's is its clients'
     assert all(c["base"] == report["cells"][0]["base"] for c in report["cells"])
+    # each cell says how many answers its evaluation generated (what its eval_seconds paid for)
+    assert sum(c["answers"]["generated"] for c in report["cells"]) == len(generated)
     assert "The base model without adapters" in report["markdown"]
     names = sorted(p.name for p in (out / "cells").iterdir())
     assert names == sorted(f"{m}__seed{s}__{r}__rouge1-2-b1-t2.json" for m, rules in (("fedit", ["native"]),
@@ -122,6 +124,10 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(bench, "evaluate_run", counting_eval)
     again = bench.main([*ARGS, "--out", str(out)])
     assert evaluated == ["feddpa-t/calibrated"] and again["failed"] == [] and len(again["skipped"]) == 5
+    redone = next(c for c in again["cells"] if (c["method"], c["seed"], c["rule"]) == ("feddpa-t", 1, "calibrated"))
+    assert redone["answers"] == {"generated": 0, "cached": cells[("feddpa-t", 1, "calibrated")]["answers"]["generated"]
+                                 + cells[("feddpa-t", 1, "calibrated")]["answers"]["cached"]}
+    assert "| Answers made |" in again["markdown"] and "| 0 |" in again["markdown"]
     again_rows = {(r["method"], r["rule"]): r for r in again["rows"]}
     assert again_rows[("fedit", "native")] == rows[("fedit", "native")]
     assert again_rows[("feddpa-t", "calibrated")]["ttp"]["avg"]["mean"] == pytest.approx(

@@ -78,6 +78,7 @@ def test_evaluate_run_writes_tables_json_and_plots(tmp_path: Path) -> None:
     assert summary["clients"] == ["sorting", "capitals"]
     assert set(summary["scores"]) == {"sorting", "capitals", "global", "base"}
     assert summary["scores"]["base"]["sorting"]["n"] == 2
+    assert summary["answers"] == {"generated": 4 * 2 * 2, "cached": 0}  # 4 targets x 2 tasks x 2 examples
     # no embedding index: the personalised model is the fixed (0.5, 0.5) mix, and nothing to plot
     assert summary["targets"]["sorting"]["weights"] == [0.5, 0.5] and "feddpa_weights" not in summary
     md = (run.eval_dir / "table.md").read_text()
@@ -92,11 +93,13 @@ def test_evaluate_run_writes_tables_json_and_plots(tmp_path: Path) -> None:
     assert row["weights"] == {"global": 0.5, "sorting:local": 0.5}
 
     spy = Spy(open_backend(run, run.read_config(), dtype="float32", max_new_tokens=3, batch_size=2))
-    assert evaluate_run(run.root, opts, backend=spy)["scores"] == summary["scores"]
+    again = evaluate_run(run.root, opts, backend=spy)
+    assert again["scores"] == summary["scores"] and again["answers"] == {"generated": 0, "cached": 16}
     assert spy.calls == 0  # everything cached: nothing regenerated
     spy.inner.max_new_tokens = 4  # another decoding setting: the tags differ, every example is redone
-    evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=4, batch_size=2, dtype="float32"), backend=spy)
-    assert spy.calls == 4 * 2  # (2 clients + global + base) x 2 tasks x 1 example
+    other = evaluate_run(run.root, EvalOptions(limit=1, max_new_tokens=4, batch_size=2, dtype="float32"), backend=spy)
+    # (2 clients + global + base) x 2 tasks x 1 example
+    assert spy.calls == 4 * 2 and other["answers"] == {"generated": 8, "cached": 0}
     assert main(["eval", str(run.root), str(run.root), "--compare", "--out", str(tmp_path / "cmp.md")]) == 0
     assert (tmp_path / "cmp.md").read_text().count("| FedDPA-T |") == 4  # two runs x two blocks
 
