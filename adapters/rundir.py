@@ -3,7 +3,9 @@
     RUN_DIR/
       run.json                              method, data spec, base model, seed, settings, and
                                             ``inference_weight`` (FedDPA's lambda) when clients mix
-      metrics.jsonl                         one JSON object per client per round, then per round
+      metrics.jsonl                         one JSON object per client per round, then per round; at
+                                            the end one per client whose personalization trains
+                                            (``"stage": "finalize"``, e.g. ``finetune_loss``)
       adapters/global/                      PEFT folder: the final global adapter
       adapters/clients/<id>/local/          PEFT folder: a client's private adapter (if the method has one)
       adapters/clients/<id>/embeddings.npy  the client's local-instance embeddings (FedDPA routing)

@@ -172,12 +172,14 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         ctx = ClientContext(client.client_id, client, rt, store.load(private_from), cfg.seed)
         if finalize:  # the router's index is built where the instances live
 
+            finals: dict[str, float] = {}
+
             def personalize(folder: Path) -> ClientState:
-                finish_client(m, m.client(opts), ins.state, ctx, folder, m.mixture_weight(opts))
+                finals.update(finish_client(m, m.client(opts), ins.state, ctx, folder, m.mixture_weight(opts)))
                 return ctx.private
 
             store.save_final(personalize)
-            res = FitRes(client.client_id, {}, len(client.train), {})
+            res = FitRes(client.client_id, {}, len(client.train), finals)
         else:
             res = m.client(opts).fit(ins, ctx)
             store.save(ins.round, ctx.private)  # used only if the server aggregates this reply

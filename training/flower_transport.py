@@ -176,17 +176,20 @@ class FlowerTransport(Transport):
     def personalize(self, states: Mapping[str, StateDict]) -> None:
         self._personal = dict(states)
 
-    def finalize(self, state: StateDict, run: RunDir) -> None:
+    def finalize(self, state: StateDict, run: RunDir) -> dict[str, dict[str, float]]:
         """Personalize (``train.finalize``) where clients keep a local adapter, then gather the PEFT folders.
 
         Each client is sent the server's personalised model where the strategy has one (pFedSeq), else ``state``.
         """
+        metrics: dict[str, dict[str, float]] = {}
         if self.has_local:
             self._refresh()
             sends = {c: (nid, FitIns(-1, self._personal.get(c, state))) for c, nid in self.nodes.items()}
             for reply in exchange(self.grid, sends, self.timeout, FINALIZE, versions=self._versions(list(sends))):
                 if reply.result is None:
                     logger.warning("client %s did not finalize: %s", reply.client_id, reply.error)
+                else:
+                    metrics[reply.client_id] = dict(reply.result.metrics)
         for cdir in sorted(self.client_dir.iterdir()) if self.client_dir.is_dir() else []:
             final = cdir / FINAL
             local = final / "local.safetensors"
@@ -198,3 +201,4 @@ class FlowerTransport(Transport):
                 run.client_dir(cdir.name).mkdir(parents=True, exist_ok=True)
                 durable.write_file(run.client_dir(cdir.name) / index_file.name,
                                    lambda tmp, src=index_file: shutil.copyfile(src, tmp))
+        return metrics

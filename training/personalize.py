@@ -37,7 +37,7 @@ from training.runtime import Runtime
 
 
 def finish_client(method: Method, client: ClientAlgorithm, state: StateDict, ctx: ClientContext,
-                  index_folder: Path | None, mixture_weight: float | None = None) -> None:
+                  index_folder: Path | None, mixture_weight: float | None = None) -> dict[str, float]:
     """Personalize ``ctx``'s client from the final server ``state``; save its instance index where it is used.
 
     Args:
@@ -48,8 +48,11 @@ def finish_client(method: Method, client: ClientAlgorithm, state: StateDict, ctx
         index_folder: where to save the index (None: no index).
         mixture_weight: FedDPA's lambda, checked on the client's held-out examples when it has some and
             a local adapter (None or 0: no check).
+
+    Returns:
+        The personalization's metrics (``ClientAlgorithm.finalize``).
     """
-    client.finalize(state, ctx)
+    metrics = dict(client.finalize(state, ctx) or {})  # a client written before finalize returned metrics: none
     if index_folder is not None and method.instance_weighting and state:
         ctx.runtime.set("global", state)
         gate = None
@@ -59,6 +62,7 @@ def finish_client(method: Method, client: ClientAlgorithm, state: StateDict, ctx
             gate = check_local(rt.loaded, rt.adapted, rt.train.prompt_style, ctx.data.validation,
                                min(float(mixture_weight), 1.0))
         save_instance_index(ctx.runtime, ctx.data, index_folder, gate)
+    return metrics
 
 
 def save_instance_index(rt: Runtime, client: ClientData, folder: Path, gate: GateResult | None = None) -> None:

@@ -160,8 +160,14 @@ class ClientAlgorithm(ABC):
     def fit(self, ins: FitIns, ctx: ClientContext) -> FitRes:
         """One local update from ``ins``; returns only what the method uploads."""
 
-    def finalize(self, state: StateDict, ctx: ClientContext) -> None:  # noqa: B027 - optional hook
-        """After the last round: build the client's personalized adapter in ``ctx.private`` (optional)."""
+    def finalize(self, state: StateDict, ctx: ClientContext) -> dict[str, float]:
+        """After the last round: build the client's personalized adapter in ``ctx.private`` (optional).
+
+        Returns:
+            The personalization's metrics (a fine-tune's ``finetune_loss`` ...), empty when it trains nothing;
+            the round loop writes them to ``metrics.jsonl`` as the client's ``finalize`` row.
+        """
+        return {}
 
 
 @dataclass(frozen=True)

@@ -275,7 +275,11 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
             durable.write_folder(run.global_adapter, lambda tmp: write_adapter_folder(tmp, lora, state, base))
         personal = {c: strategy.personal_state(c, state) for c in plan.dataset.client_ids}
         transport.personalize({c: s for c, s in personal.items() if s is not None})
-        transport.finalize(state, run)
+        finals = transport.finalize(state, run)
+        for cid in sorted(finals):  # after the rounds: trim_rows drops them if the run resumes or extends
+            if finals[cid]:
+                append_row(run.metrics, {"round": cfg.rounds, "stage": "finalize", "client": cid, "status": "ok",
+                                         **finals[cid]})
     summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
                          round(time.perf_counter() - t0, 2))
     write_json(run.root / "summary.json", asdict(summary))

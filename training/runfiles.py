@@ -1,5 +1,6 @@
 """The run directory's two journals: ``run.json`` (the run's settings) and ``metrics.jsonl`` (one row per
-client per round, then one per round), plus ``summary.json``.
+client per round, then one per round, then a ``finalize`` row per client whose personalization trains),
+plus ``summary.json``.
 
 Rows are appended as the round loop (:mod:`training.rounds`) produces them, each fsync'ed
 (:func:`training.durable.append_line`); a resumed run first drops the rows of rounds it will run again

@@ -124,16 +124,19 @@ class InProcessTransport(Transport):
     def personalize(self, states: Mapping[str, StateDict]) -> None:
         self._personal = dict(states)
 
-    def finalize(self, state: StateDict, run: RunDir) -> None:
+    def finalize(self, state: StateDict, run: RunDir) -> dict[str, dict[str, float]]:
+        metrics = {}
         for c in tqdm(self.dataset.clients, desc="personalize", unit="client", leave=False):
             ctx = self._context(c.client_id, self.private.setdefault(c.client_id, {}))
-            finish_client(self.method, self.client, self._personal.get(c.client_id, state), ctx,
-                          run.client_dir(c.client_id) if self.sim.embed else None, self.mixture_weight)
+            metrics[c.client_id] = finish_client(self.method, self.client, self._personal.get(c.client_id, state),
+                                                 ctx, run.client_dir(c.client_id) if self.sim.embed else None,
+                                                 self.mixture_weight)
         lora, base = self.rt.train.lora, self.rt.adapted.base_model_name
         for cid, named in self.private.items():
             if "local" in named:
                 durable.write_folder(run.local_adapter(cid),
                                      lambda tmp, t=named["local"]: write_adapter_folder(tmp, lora, t, base))
+        return metrics
 
 
 def run_federated(

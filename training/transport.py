@@ -73,5 +73,10 @@ class Transport(ABC):
         to hand each client in place of the final global state; transports that cannot ignore it."""
 
     @abstractmethod
-    def finalize(self, state: StateDict, run: RunDir) -> None:
-        """After the last round: each client's personalization; its local adapter and index into ``run``."""
+    def finalize(self, state: StateDict, run: RunDir) -> dict[str, dict[str, float]]:
+        """After the last round: each client's personalization; its local adapter and index into ``run``.
+
+        Returns:
+            Client id -> the metrics of its personalization (``ClientAlgorithm.finalize``), for the clients
+            that reported.
+        """

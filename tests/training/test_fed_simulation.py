@@ -148,3 +148,15 @@ def test_a_split_run_records_its_clients_and_evaluation_reloads_them(tmp_path: P
         _run("fedlora", tmp_path / "split", rounds=2, resume=True)
     with pytest.raises(ValueError, match="clients_per_task must be >= 1"):
         SimConfig(clients_per_task=0)
+
+
+def test_a_fine_tunes_loss_is_a_finalize_row_written_once_even_when_the_run_is_extended(tmp_path: Path) -> None:
+    _run("fedlora", tmp_path / "ft", rounds=1, embed=False)
+    run = _run("fedlora", tmp_path / "ft", rounds=2, resume=True, embed=False)  # extended: finalized again
+    finals = [x for x in _rows(run) if x.get("stage") == "finalize"]
+    assert sorted(x["client"] for x in finals) == sorted(DATA.client_ids)  # the first end's rows were dropped
+    for row in finals:
+        assert row["round"] == 2 and row["status"] == "ok" and row["finetune_steps"] >= 1
+        assert np.isfinite(row["finetune_loss"]) and row["finetune_loss"] > 0
+    fedit = _run("fedit", tmp_path / "fedit", rounds=1, embed=False)
+    assert not any(x.get("stage") == "finalize" for x in _rows(fedit))  # nothing personalised, nothing to report

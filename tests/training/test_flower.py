@@ -113,6 +113,21 @@ def test_feddpa_t_on_flower_simulation_matches_the_simulator(tmp_path: Path) -> 
     assert flower.read_config()["device"] == local.read_config()["device"] == "cpu"  # the run records its device
 
 
+def test_a_nodes_fine_tune_reports_its_loss_as_the_simulator_does(tmp_path: Path) -> None:
+    """FedLoRA: each node's end-of-run fine-tune comes back in its finalize reply and is logged like the simulator's."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    cfg = FlowerConfig(method="fedlora", data="generated", rounds=1, out=str(tmp_path / "flower"), model="tiny",
+                       preset="tiny", data_options=DATA_OPTIONS)
+    flower = run_flower_simulation(cfg, num_clients=2)
+    local = RunDir(tmp_path / "local")
+    run_federated("fedlora", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root, SimConfig(rounds=1, embed=False),
+                  preset("tiny"), data_spec="generated", data_options=DATA_OPTIONS)
+    rows, sim_rows = _rows(flower), _rows(local)
+    for client in ("sorting", "capitals"):
+        assert rows[(1, client)]["stage"] == sim_rows[(1, client)]["stage"] == "finalize"
+        assert rows[(1, client)]["finetune_loss"] == pytest.approx(sim_rows[(1, client)]["finetune_loss"], abs=1e-5)
+
+
 def _rows(run: RunDir) -> dict[tuple[int, str], dict]:
     rows = [json.loads(x) for x in run.metrics.read_text().splitlines()]
     return {(x["round"], x["client"]): x for x in rows if "client" in x}

@@ -110,8 +110,8 @@ class Spoiler(ClientAlgorithm):
             return BAD[SPOILED[ins.round]][0](res)
         return res
 
-    def finalize(self, state, ctx: ClientContext) -> None:  # noqa: ANN001
-        self.inner.finalize(state, ctx)
+    def finalize(self, state, ctx: ClientContext) -> dict[str, float]:  # noqa: ANN001
+        return self.inner.finalize(state, ctx)
 
 
 def _adapters(run: RunDir) -> dict[str, torch.Tensor]:

@@ -58,8 +58,8 @@ class LocalClient(ClientAlgorithm):
 class FineTuneClient(FedAvgClient):
     """FedIT during the rounds; at the end, fine-tune a copy of the final global locally."""
 
-    def finalize(self, state: StateDict, ctx: ClientContext) -> None:
-        train_local(ctx, round_idx=-1, start=state, phase="finetune")
+    def finalize(self, state: StateDict, ctx: ClientContext) -> dict[str, float]:
+        return train_local(ctx, round_idx=-1, start=state, phase="finetune")
 
 
 def _fedavg(o: Mapping[str, Any]) -> Strategy:

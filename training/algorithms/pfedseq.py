@@ -320,13 +320,14 @@ class PFedSeqClient(ClientAlgorithm):
         delta = {k: trained[k] - ins.state[k].to(trained[k].dtype) for k in trained}
         return FitRes(ctx.client_id, delta, len(ctx.data.train), {**metrics, RECEIVED: checksum(ins.state)})
 
-    def finalize(self, state: StateDict, ctx: ClientContext) -> None:
+    def finalize(self, state: StateDict, ctx: ClientContext) -> dict[str, float]:
         """``state`` is the server's personalized adapter for this client (global + last calibration)."""
         if self.personalize == "calibrated":
             ctx.private["local"] = {k: v.detach().clone() for k, v in state.items()}
-            return
+            return {}
         if "local" not in ctx.private:  # never sampled: personalize from the final global like FedIT-FT
-            train_local(ctx, round_idx=-1, start=state, phase="finetune")
+            return train_local(ctx, round_idx=-1, start=state, phase="finetune")
+        return {}
 
 
 def _strategy(o: Mapping[str, Any]) -> PFedSeqStrategy:
