@@ -149,6 +149,7 @@ def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train:
                             "n_per_task": summary["test_set"]["tasks"]}
     if "answers" in summary:  # eval_seconds paid for the generated ones; the cached came from an earlier call
         cell["answers"] = summary["answers"]
+    cell["loss_curves"] = table_runs.loss_curves(run_dir)
     if train.get("rounds_from"):  # its rounds are another run's (table_runs.ROUNDS_OF); seconds include theirs
         cell["rounds_from"] = train["rounds_from"]
     for block, rows in summary["tables"].items():
@@ -267,6 +268,7 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
         lines += ["", "\"Answers made\" counts the answers a cell's evaluation generated (its Eval s); the rest "
                   "it scored were cached (the shared base answers, or an interrupted evaluation's)."]
     lines += [f"\\* {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
+    lines += table_runs.loss_lines(cells)
     base = next((c["base"] for c in cells if c.get("base")), None)
     if base is not None:
         lines += ["", f"The base model without adapters: Personalization {float(base['personalization']):.2f}, "

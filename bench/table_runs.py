@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from models import load_base_model
 from training.cli import method_settings
 from training.data import load_dataset
+from training.runfiles import read_rows
 from training.simulation import SimConfig, run_federated
 
 ROUNDS_OF = {"fedlora": "fedit", "feddpa-f": "fedit"}  # methods whose rounds are another's, bit for bit
@@ -149,3 +151,47 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
                     rounds_from=f"{src.parent.name}/{src.name}", own_seconds=seconds)
     write_json(record, info)
     return {**info, "reused": False}
+
+
+def loss_curves(run_dir: Path) -> dict[str, Any]:
+    """A run's training losses from its ``metrics.jsonl``: each ``*loss`` metric's mean over the clients.
+
+    Returns:
+        ``{"rounds": {metric: [mean of round 0, round 1, ...]}, "finalize": {metric: mean}}``: the per-round
+        client rows (FedDPA-T's ``loss`` is its global step's, ``local_loss`` its local step's) and the
+        end-of-run personalization's rows (FedLoRA's and FedDPA-F's ``finetune_loss``; absent in runs
+        trained before those rows were logged).
+    """
+    per_round: dict[str, dict[int, list[float]]] = {}
+    final: dict[str, list[float]] = {}
+    for row in read_rows(run_dir / "metrics.jsonl"):
+        if "client" not in row or row.get("status") != "ok":
+            continue
+        for key, value in row.items():
+            if key.endswith("loss") and isinstance(value, int | float):
+                if row.get("stage") == "finalize":
+                    final.setdefault(key, []).append(float(value))
+                else:
+                    per_round.setdefault(key, {}).setdefault(int(row["round"]), []).append(float(value))
+    mean = statistics.fmean
+    return {"rounds": {k: [round(mean(by[r]), 4) for r in sorted(by)] for k, by in per_round.items()},
+            "finalize": {k: round(mean(v), 4) for k, v in final.items()}}
+
+
+def loss_lines(cells: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each run's training losses (one row per method and seed; a run's weighting rules share it)."""
+    runs = {(c["label"], c["seed"]): c["loss_curves"] for c in cells if c.get("loss_curves")}
+    if not runs:
+        return []
+    keys = list(dict.fromkeys(k for curves in runs.values() for k in curves["rounds"]))
+    finals = list(dict.fromkeys(k for curves in runs.values() for k in curves["finalize"]))
+    lines = ["", "Training loss per run (mean over the clients; by round, then the end-of-run personalization). "
+             "`loss` is what the client uploads or keeps (FedDPA-T's global step), `local_loss` FedDPA-T's local "
+             "step, `finetune_loss` FedLoRA's and FedDPA-F's fine-tune:", "",
+             "| Method | Seed | " + " | ".join(f"{k} by round" for k in keys) + "".join(f" | {k}" for k in finals)
+             + " |", "|---|---|" + "---|" * (len(keys) + len(finals))]
+    for (label, seed), curves in runs.items():
+        by_round = [" → ".join(f"{v:.3f}" for v in curves["rounds"].get(k, [])) or "–" for k in keys]
+        ends = [f"{curves['finalize'][k]:.3f}" if k in curves["finalize"] else "–" for k in finals]
+        lines.append(f"| {label} | {seed} | " + " | ".join(by_round + ends) + " |")
+    return lines

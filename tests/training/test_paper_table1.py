@@ -82,6 +82,14 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     assert sum(1 for key, _ in generated if key == "base") == 4
     assert sum(1 for key, _ in generated if key == "global") == 2 * 4  # FedDPA-T's own; FedIT's is its clients'
     assert all(c["base"] == report["cells"][0]["base"] for c in report["cells"])
+    # each cell carries its run's training losses, as the run's metrics.jsonl has them
+    rows_t = [json.loads(x) for x in (out / "feddpa-t" / "seed1" / "metrics.jsonl").read_text().splitlines()]
+    mine = [r for r in rows_t if "client" in r and r.get("status") == "ok"]
+    cells_by_key = {(c["method"], c["seed"], c["rule"]): c for c in report["cells"]}
+    curves = cells_by_key[("feddpa-t", 1, "paper")]["loss_curves"]
+    assert curves["rounds"]["loss"] == [round(statistics.fmean(r["loss"] for r in mine), 4)]
+    assert curves["rounds"]["local_loss"] == [round(statistics.fmean(r["local_loss"] for r in mine), 4)]
+    assert curves["finalize"] == {} and "| FedDPA-T | 1 |" in report["markdown"]
     # each cell says how many answers its evaluation generated (what its eval_seconds paid for)
     assert sum(c["answers"]["generated"] for c in report["cells"]) == len(generated)
     assert "The base model without adapters" in report["markdown"]
@@ -239,3 +247,22 @@ def test_fedoas_leave_out_run_shares_the_table_and_is_never_mixed_up(tmp_path: P
         bench.main(["--methods", "fedoa", *common, "--leave-out", ","])
     with pytest.raises(SystemExit, match="another --out"):  # shared settings are still checked
         bench.main(["--methods", "fedit", *common, "--rounds", "3"])
+
+
+def test_loss_curves_average_the_clients_rows_by_round_and_keep_the_fine_tune_apart(tmp_path: Path) -> None:
+    _bench()  # puts bench/ on the path
+    import table_runs
+
+    rows = [{"round": 0, "client": "a", "status": "ok", "loss": 1.0, "steps": 3.0},
+            {"round": 0, "client": "b", "status": "ok", "loss": 2.0, "steps": 3.0},
+            {"round": 0, "client": "c", "status": "failed", "error": "timeout"},
+            {"round": 0, "aggregate": True, "loss": 1.5},
+            {"round": 1, "client": "a", "status": "ok", "loss": 0.5},
+            {"round": 1, "client": "b", "status": "ok", "loss": 0.25},
+            {"round": 2, "stage": "finalize", "client": "a", "status": "ok", "finetune_loss": 0.2},
+            {"round": 2, "stage": "finalize", "client": "b", "status": "ok", "finetune_loss": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    curves = table_runs.loss_curves(tmp_path)
+    assert curves == {"rounds": {"loss": [1.5, 0.375]}, "finalize": {"finetune_loss": 0.3}}
+    md = "\n".join(table_runs.loss_lines([{"label": "FedLoRA", "seed": 0, "loss_curves": curves}]))
+    assert "| FedLoRA | 0 | 1.500 → 0.375 | 0.300 |" in md
