@@ -265,9 +265,10 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
                      f"{c['eval_seconds']}{mark} | {made} | {shown} |")
     notes = [c for c in cells if c.get("eval_note")]
     if notes or any("answers" in c for c in cells):
-        lines += ["", "\"Answers made\" counts the answers a cell's evaluation generated (its Eval s); the rest "
-                  "it scored were cached (the shared base answers, or an interrupted evaluation's)."]
-    lines += [f"\\* {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
+        lines += ["", "\"Answers made\" counts the answers a cell's evaluation generated (its Eval s; – where the "
+                  "cell predates the count); the rest it scored were cached (the shared base answers, or an "
+                  "interrupted evaluation's). Eval s marked \\* has a note:", ""]
+    lines += [f"- {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
     lines += table_runs.loss_lines(cells)
     base = next((c["base"] for c in cells if c.get("base")), None)
     if base is not None:
