@@ -150,6 +150,10 @@ def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train:
     if "answers" in summary:  # eval_seconds paid for the generated ones; the cached came from an earlier call
         cell["answers"] = summary["answers"]
     cell["loss_curves"] = table_runs.loss_curves(run_dir)
+    weights = summary.get("feddpa_weights") or {}
+    if "own_client" in weights:  # the run's results.json keeps only its last rule's: the cell keeps its own
+        cell["local_weight"] = {"own_task": weights["own_client"]["mean"],
+                                "other_tasks": weights["other_clients"]["mean"]}
     if train.get("rounds_from"):  # its rounds are another run's (table_runs.ROUNDS_OF); seconds include theirs
         cell["rounds_from"] = train["rounds_from"]
     for block, rows in summary["tables"].items():

@@ -90,6 +90,11 @@ def test_cells_end_to_end_with_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     assert curves["rounds"]["loss"] == [round(statistics.fmean(r["loss"] for r in mine), 4)]
     assert curves["rounds"]["local_loss"] == [round(statistics.fmean(r["local_loss"] for r in mine), 4)]
     assert curves["finalize"] == {} and "| FedDPA-T | 1 |" in report["markdown"]
+    routed = json.loads((out / "feddpa-t" / "seed1" / "eval" / "results.json").read_text())["feddpa_weights"]
+    assert cells_by_key[("feddpa-t", 1, "calibrated")]["local_weight"] == {  # evaluated last: results.json is its
+        "own_task": routed["own_client"]["mean"], "other_tasks": routed["other_clients"]["mean"]}
+    assert 0 <= cells_by_key[("feddpa-t", 1, "paper")]["local_weight"]["own_task"] <= 1
+    assert "local_weight" not in cells_by_key[("fedit", 1, "native")]
     # each cell says how many answers its evaluation generated (what its eval_seconds paid for)
     assert sum(c["answers"]["generated"] for c in report["cells"]) == len(generated)
     assert "The base model without adapters" in report["markdown"]
