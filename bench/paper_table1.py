@@ -271,8 +271,9 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
     if notes or any("answers" in c for c in cells):
         lines += ["", "\"Answers made\" counts the answers a cell's evaluation generated (its Eval s; – where the "
                   "cell predates the count); the rest it scored were cached (the shared base answers, or an "
-                  "interrupted evaluation's). Eval s marked \\* has a note:", ""]
-    lines += [f"- {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
+                  "interrupted evaluation's)." + (" Eval s marked \\* has a note:" if notes else "")]
+    if notes:
+        lines += [""] + [f"- {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
     lines += table_runs.loss_lines(cells)
     base = next((c["base"] for c in cells if c.get("base")), None)
     if base is not None:
