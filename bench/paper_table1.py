@@ -51,6 +51,7 @@ from training.regime import BUDGETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from a file
 
+import table_orderings  # noqa: E402
 import table_runs  # noqa: E402
 from table_runs import check_training_settings, write_json  # noqa: E402
 
@@ -167,6 +168,7 @@ def run_cell(method: str, seed: int, rule: str, args: argparse.Namespace, train:
             cell.setdefault("base", {})[block] = bare["avg"]
     if "ood" in summary:
         cell["ood"] = summary["ood"]
+    cell["examples"] = summary.get("example_scores")  # main keeps them apart: <out>/examples/<cell file>
     return cell
 
 
@@ -230,8 +232,9 @@ def _name(row: dict[str, Any]) -> str:
     return row["label"] + {"paper": " (paper rule)", "calibrated": " (calibrated, ours)"}.get(row["rule"], "")
 
 
-def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: dict[str, Any]) -> str:
-    """The README-ready Markdown: the summary, per-task blocks and per-cell times."""
+def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: dict[str, Any],
+             orderings: list[dict[str, Any]] | None = None) -> str:
+    """The README-ready Markdown: the summary, per-task blocks, per-cell times and the orderings' paired tests."""
     lines = [f"Data {settings['data']}, preset {settings['preset']}, {settings['metric']} x100, "
              f"{settings['evaluation']}; mean ± sample std over the seeds listed.", "",
              "| Method | Seeds | Personalization | TTP | Train s / run | Eval s / cell |",
@@ -274,6 +277,7 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
                   "interrupted evaluation's)." + (" Eval s marked \\* has a note:" if notes else "")]
     if notes:
         lines += [""] + [f"- {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
+    lines += table_orderings.ordering_lines(orderings or [], LABELS)
     lines += table_runs.loss_lines(cells)
     base = next((c["base"] for c in cells if c.get("base")), None)
     if base is not None:
@@ -357,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 except Exception as exc:  # one broken cell must not lose the others: reported, exit code 1
                     failed.append({"cell": path.name, "error": f"{type(exc).__name__}: {exc}"})
                     continue
+                write_json(out / "examples" / path.name, cell.pop("examples"))  # before the cell: it marks done
                 write_json(path, cell)
                 cells.append(cell)
     cells += matching_cells(out, cells, args)
@@ -367,8 +372,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "examples of each task"))
     settings = {**vars(args), "evaluation": evaluation, "preset_note": note}
     rows = aggregate(cells)
-    md = markdown(rows, cells, settings)
-    report = {"settings": settings, "skipped": done, "failed": failed, "rows": rows, "cells": cells, "markdown": md}
+    scored = {(c["method"], c["seed"], c["rule"]): out / "examples" / cell_path(out, c["method"], c["seed"], c["rule"],
+                                                                                 args).name for c in cells}
+    examples = {k: json.loads(p.read_text()) for k, p in scored.items() if p.is_file()}
+    orderings = table_orderings.ordering_rows(cells, examples)
+    md = markdown(rows, cells, settings, orderings)
+    report = {"settings": settings, "skipped": done, "failed": failed, "rows": rows, "cells": cells,
+              "orderings": orderings, "markdown": md}
     out.mkdir(parents=True, exist_ok=True)
     (out / "table1.md").write_text(md)
     write_json(out / "table1.json", report)

@@ -61,6 +61,15 @@ def example_scores(prediction: str, reference: str, normalize: bool = False) -> 
     return {"rouge1": 100.0 * s["rouge1"].fmeasure, "rougeL": 100.0 * s["rougeL"].fmeasure, "exact": 100.0 * exact}
 
 
+def mean_scores(rows: Sequence[dict[str, float]]) -> Scores:
+    """The mean of per-example scores (:func:`example_scores` rows); zeros for no rows."""
+    n = len(rows)
+    if not n:
+        return Scores(0.0, 0.0, 0.0, 0)
+    return Scores(rouge1=sum(r["rouge1"] for r in rows) / n, rougeL=sum(r["rougeL"] for r in rows) / n,
+                  exact=sum(r["exact"] for r in rows) / n, n=n)
+
+
 def score(predictions: Sequence[str], references: Sequence[str], normalize: bool = False) -> Scores:
     """Mean scores of aligned predictions and references.
 
@@ -69,13 +78,4 @@ def score(predictions: Sequence[str], references: Sequence[str], normalize: bool
     """
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
-    if not predictions:
-        return Scores(0.0, 0.0, 0.0, 0)
-    rows = [example_scores(p, r, normalize) for p, r in zip(predictions, references, strict=True)]
-    n = len(rows)
-    return Scores(
-        rouge1=sum(r["rouge1"] for r in rows) / n,
-        rougeL=sum(r["rougeL"] for r in rows) / n,
-        exact=sum(r["exact"] for r in rows) / n,
-        n=n,
-    )
+    return mean_scores([example_scores(p, r, normalize) for p, r in zip(predictions, references, strict=True)])

@@ -39,7 +39,7 @@ from routing.embedding import check_pooling
 from routing.feddpa import VARIANTS, similarity_name
 from serving.pool.amole_run import aggregated_target
 from training.data import FederatedDataset, PromptConfig, prompt_texts
-from training.metrics import METRICS, Scores, score
+from training.metrics import METRICS, Scores, example_scores, mean_scores, score
 
 
 @dataclass(frozen=True)
@@ -213,14 +213,15 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     ttp_grid: dict[str, dict[str, Scores]] = {}
     weights: dict[str, dict[str, list[float]]] = {}
     before: dict[str, dict[str, list[float]]] = {}  # the calibrated weights without the clients' gates
+    examples: dict[str, dict[str, list[float]]] = {}  # key -> task -> each example's metric, in test order
     for key, task in jobs:
         n = count[key, task]
         rows = cache.rows("final", key, task, prompts[task][:n], tag_of(described[targets[key]]))
-        grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows], [r.output for r in tests[task][:n]])
+        per = [example_scores(r["prediction"], t.output) for r, t in zip(rows, tests[task][:n], strict=True)]
+        grid.setdefault(key, {})[task] = mean_scores(per)
+        examples.setdefault(key, {})[task] = [round(e[opts.metric], 4) for e in per]
         if opts.ttp_limit is not None:  # every model's TTP on the same examples: the first ttp_limit of each task
-            m = min(n, opts.ttp_limit)
-            ttp_grid.setdefault(key, {})[task] = score([r["prediction"] for r in rows[:m]],
-                                                       [r.output for r in tests[task][:m]])
+            ttp_grid.setdefault(key, {})[task] = mean_scores(per[:min(n, opts.ttp_limit)])
         info = described[targets[key]]
         if key in clients and info.get("mode") == "feddpa" and info.get("routed"):
             weights.setdefault(key, {})[task] = [float(r["weights"][f"{key}:local"]) for r in rows]
@@ -235,6 +236,8 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
     if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
         summary["ood"] = _ood(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
+    summary["example_scores"] = _example_scores(examples, canonical, {c: dataset.task_of(c) for c in clients},
+                                                opts.metric, opts.ttp_limit)
     # What this call generated and what it found cached (an earlier, interrupted call's or shared answers)
     summary["answers"] = {"generated": len(items), "cached": scored - len(items)}
     if amole is not None:
@@ -265,6 +268,21 @@ def _counts(jobs: Sequence[tuple[str, str]], canonical: dict[str, str], client_t
         full = ttp_limit is None or any(k not in client_tasks or client_tasks[k] == task for k in sharing[key])
         counts[key, task] = len(prompts[task]) if full else min(len(prompts[task]), ttp_limit)  # type: ignore[type-var]
     return counts
+
+
+def _example_scores(examples: dict[str, dict[str, list[float]]], canonical: dict[str, str],
+                    client_tasks: dict[str, str], metric: str, ttp_limit: int | None) -> dict[str, Any]:
+    """Each client's per-example scores behind its Personalization and TTP cells, for paired comparisons.
+
+    ``personalization``: client -> its model's scores on its own task (absent where the test set lacks
+    the task); ``ttp``: client -> task -> its model's scores on the examples the TTP column averages
+    (the first ``ttp_limit`` of each task, or all). Each list is in test-set order, so two runs scored on
+    the same test set pair example by example.
+    """
+    own = {c: examples[canonical[c]][t] for c, t in client_tasks.items() if t in examples[canonical[c]]}
+    ttp = {c: {t: v[:ttp_limit] if ttp_limit is not None else v for t, v in examples[canonical[c]].items()}
+           for c in client_tasks}
+    return {"metric": metric, "personalization": own, "ttp": ttp}
 
 
 def _ttp_note(opts: EvalOptions) -> list[str]:

@@ -191,6 +191,20 @@ def test_fedlora_and_feddpa_f_start_from_fedits_rounds_bit_for_bit(tmp_path: Pat
         assert record["rounds_from"] == cell["rounds_from"] == "fedit/seed0"
         assert record["losses"] == fedit_train["losses"] == cell["losses"]
         assert record["train_seconds"] == pytest.approx(fedit_train["train_seconds"] + record["own_seconds"], abs=0.11)
+    # paper 000's orderings read pair by pair: each difference is the two cells' own, from their examples
+    every = {(c["method"], c["rule"]): c for c in report["cells"]}
+    got = {(r["a"], r["b"], r["block"]): r for r in report["orderings"]}
+    assert set(got) == {(("fedit", "native"), ("fedlora", "native"), "personalization"),
+                        *((("fedlora", "native"), ("feddpa-f", rule), block) for rule in ("paper", "calibrated")
+                          for block in ("personalization", "ttp"))}
+    for (a, b, block), row in got.items():
+        assert row["delta"] == pytest.approx(every[b][block]["avg"] - every[a][block]["avg"], abs=1e-3)
+        assert row["low"] <= row["delta"] <= row["high"] and row["seed"] == 0
+    assert "| FedIT < FedLoRA | Pers. | 0 |" in report["markdown"]
+    for cell_file in (derived / "cells").glob("*.json"):
+        kept = json.loads((derived / "examples" / cell_file.name).read_text())
+        assert "examples" not in json.loads(cell_file.read_text()) and set(kept["personalization"]) == {
+            "sorting", "capitals"}
 
     # interrupted after its run began (run.json written, no summary): resumed, it still says whose rounds
     run_dir = derived / "fedlora" / "seed0"

@@ -310,6 +310,20 @@ def test_ttp_limit_cuts_only_a_clients_off_task_examples(tmp_path: Path) -> None
     assert ttp["FedDPA-T"] == pytest.approx((sum(own_first) + sum(other)) / 4)
     glob = summary["ttp_scores"]["global"]
     assert ttp["FedDPA-T [global]"] == pytest.approx((glob["sorting"]["rouge1"] + glob["capitals"]["rouge1"]) / 2)
+    # each client's per-example scores behind its cells, in test order, for paired comparisons between runs
+    from training.metrics import example_scores
+
+    ex = summary["example_scores"]
+    assert ex["metric"] == "rouge1" and set(ex["personalization"]) == {"sorting", "capitals"}
+    for c in ("sorting", "capitals"):
+        cached = [json.loads(x) for x in (run.eval_dir / "predictions" / "final" / c / f"{c}.jsonl").read_text()
+                  .splitlines()]
+        assert ex["personalization"][c] == [round(example_scores(r["prediction"], r["reference"])["rouge1"], 4)
+                                           for r in sorted(cached, key=lambda r: r["i"])]
+        assert sum(ex["personalization"][c]) / 3 == pytest.approx(summary["scores"][c][c]["rouge1"], abs=1e-4)
+        assert {t: len(v) for t, v in ex["ttp"][c].items()} == {"sorting": 1, "capitals": 1}
+        for t, v in ex["ttp"][c].items():
+            assert v[0] == pytest.approx(cut[c][t]["rouge1"], abs=1e-4)
     from fedmosaic.evaluation.compare import compare_runs
 
     # --compare reads the TTP scores on the cut examples, as the run's own table does
@@ -329,6 +343,7 @@ def test_ttp_limit_cuts_only_a_clients_off_task_examples(tmp_path: Path) -> None
     assert sorted(spy.done) == sorted([("sorting", "capitals", 1), ("sorting", "capitals", 2),
                                        ("capitals", "sorting", 1), ("capitals", "sorting", 2)])
     assert full["scores"]["sorting"]["capitals"]["n"] == 3
+    assert all(len(v) == 3 for tasks in full["example_scores"]["ttp"].values() for v in tasks.values())
     with pytest.raises(ValueError, match="ttp_limit must be >= 1"):
         EvalOptions(ttp_limit=0)
 
