@@ -1,7 +1,8 @@
 """Paper 000's orderings tested example by example: paired differences between two cells of one seed.
 
 Paper 000 (section 5.2, Table 1) orders the methods FedIT < FedLoRA < FedDPA-F < FedDPA-T on
-Personalization and says its instance-wise weighting lifts Test-Time Personalization (TTP) over FedLoRA.
+Personalization, says its instance-wise weighting lifts Test-Time Personalization (TTP) over FedLoRA, and
+puts Local below the federated methods.
 Two cells of the same seed answer the same test examples, so their difference can be read pair by pair:
 for each ordering A < B and each seed this gives B - A (the table's own figures: each client's task, or
 each client's tasks, weighs equally) and a 95% bootstrap interval that resamples the test examples
@@ -32,6 +33,8 @@ ORDERINGS: tuple[tuple[tuple[str, str], tuple[str, str], str], ...] = (
     (("fedlora", "native"), ("feddpa-t", "paper"), "ttp"),
     (("fedlora", "native"), ("feddpa-f", "calibrated"), "ttp"),
     (("fedlora", "native"), ("feddpa-t", "calibrated"), "ttp"),
+    (("local", "native"), ("fedit", "native"), "personalization"),  # Table 1 puts Local below every federated
+    (("local", "native"), ("fedit", "native"), "ttp"),  # method: against the weakest of them, FedIT
 )
 DRAWS = 2000
 Strata = dict[tuple[str, ...], list[float]]  # (client,) or (client, task) -> scores in test order
