@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = aggregate(cells)
     scored = {(c["method"], c["seed"], c["rule"]): out / "examples" / cell_path(out, c["method"], c["seed"], c["rule"],
                                                                                  args).name for c in cells}
-    examples = {k: json.loads(p.read_text()) for k, p in scored.items() if p.is_file()}
+    examples = {k: table_orderings.read_examples(p) for k, p in scored.items() if p.is_file()}
     orderings = table_orderings.ordering_rows(cells, examples)
     md = markdown(rows, cells, settings, orderings)
     report = {"settings": settings, "skipped": done, "failed": failed, "rows": rows, "cells": cells,

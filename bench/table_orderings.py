@@ -16,8 +16,11 @@ test-set order); ``bench/paper_table1.py`` keeps them in ``<out>/examples/``, on
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +41,22 @@ ORDERINGS: tuple[tuple[tuple[str, str], tuple[str, str], str], ...] = (
 )
 DRAWS = 2000
 Strata = dict[tuple[str, ...], list[float]]  # (client,) or (client, task) -> scores in test order
+
+
+def read_examples(path: Path) -> dict[str, Any] | None:
+    """A cell's per-example scores, or None (said on stderr) when the file is not what the table wrote."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        print(f"paper_table1: {path} unreadable ({exc}); its cell is left out of the paired orderings",
+              file=sys.stderr)
+        return None
+    if data is not None and not (isinstance(data, dict) and isinstance(data.get("personalization"), dict)
+                                 and isinstance(data.get("ttp"), dict)):
+        print(f"paper_table1: {path} holds no per-example scores; its cell is left out of the paired orderings",
+              file=sys.stderr)
+        return None
+    return data
 
 
 def strata(examples: Mapping[str, Any], block: str) -> Strata:

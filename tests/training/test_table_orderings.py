@@ -89,3 +89,16 @@ def test_ordering_rows_pair_cells_of_the_same_seed_and_the_markdown_reads_them()
     assert "| FedIT < FedLoRA | Pers. | mean of 2 | +2.75 ± 3.89 | | 1 of 2 hold |" in md
     assert "| FedLoRA < FedDPA-F (paper) | TTP | 0 | +0.00 | [+0.00, +0.00] | tie |" in md
     assert mod.ordering_lines([], {}) == []
+
+
+def test_an_unreadable_examples_file_leaves_its_cell_out_with_a_message(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    mod = _orderings()
+    torn, wrong, good = tmp_path / "torn.json", tmp_path / "wrong.json", tmp_path / "good.json"
+    torn.write_text('{"personalization": {"c": [1.0')
+    wrong.write_text("[1, 2]")
+    good.write_text('{"metric": "rouge1", "personalization": {"c": [1.0]}, "ttp": {"c": {"t": [1.0]}}}')
+    assert mod.read_examples(torn) is None and mod.read_examples(wrong) is None
+    err = capsys.readouterr().err
+    assert "torn.json unreadable" in err and "wrong.json holds no per-example scores" in err
+    assert mod.read_examples(good)["personalization"] == {"c": [1.0]}
