@@ -48,7 +48,7 @@ import torch
 
 from adapters.io import peft_key
 from models import LoadedModel, load_base_model
-from models.loading import frozen
+from models.loaded import frozen
 from models.settings import DEVICE_HELP, DTYPES, device_option, resolve_device
 from training.aggregate import weighted_average
 from training.algorithms import get_method
@@ -75,7 +75,7 @@ def as_transformers_loads_it(loaded: LoadedModel) -> LoadedModel:
     """The plain loop's model as ``from_pretrained`` gives it: float32 weights, cast by autocast on every call.
 
     ``load_base_model`` stores an ``autocast-bf16`` model's linear weights in bfloat16 once
-    (:func:`models.loading.store_linear_bf16`); the values autocast computes with are the same either way,
+    (:func:`models.loaded.store_linear_bf16`); the values autocast computes with are the same either way,
     so the two loops' losses still agree, and the plain loop pays the per-call casts a user's loop pays.
     """
     for module in loaded.model.modules():

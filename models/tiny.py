@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from models import settings
-from models.loading import LoadedModel, frozen
+from models.loaded import LoadedModel, frozen
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
