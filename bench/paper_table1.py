@@ -278,6 +278,7 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
     if notes:
         lines += [""] + [f"- {c['label']} {c['rule']} seed {c['seed']}: {c['eval_note']}." for c in notes]
     lines += table_orderings.ordering_lines(orderings or [], LABELS)
+    lines += table_runs.ood_lines(cells)
     lines += table_runs.loss_lines(cells)
     base = next((c["base"] for c in cells if c.get("base")), None)
     if base is not None:

@@ -156,6 +156,9 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
 def loss_curves(run_dir: Path) -> dict[str, Any]:
     """A run's training losses from its ``metrics.jsonl``: each ``*loss`` metric's mean over the clients.
 
+    A regulariser's own value (FedOA's ``local_reg``, lambda x D, which its ``local_loss`` includes) is
+    kept beside the losses, so a reader can tell the LM loss from the term added to it.
+
     Returns:
         ``{"rounds": {metric: [mean of round 0, round 1, ...]}, "finalize": {metric: mean}}``: the per-round
         client rows (FedDPA-T's ``loss`` is its global step's, ``local_loss`` its local step's) and the
@@ -168,7 +171,7 @@ def loss_curves(run_dir: Path) -> dict[str, Any]:
         if "client" not in row or row.get("status") != "ok":
             continue
         for key, value in row.items():
-            if key.endswith("loss") and isinstance(value, int | float):
+            if key.endswith(("loss", "_reg")) and isinstance(value, int | float):
                 if row.get("stage") == "finalize":
                     final.setdefault(key, []).append(float(value))
                 else:
@@ -187,7 +190,8 @@ def loss_lines(cells: list[dict[str, Any]]) -> list[str]:
     finals = list(dict.fromkeys(k for curves in runs.values() for k in curves["finalize"]))
     lines = ["", "Training loss per run (mean over the clients; by round, then the end-of-run personalization). "
              "`loss` is what the client uploads or keeps (FedDPA-T's global step), `local_loss` FedDPA-T's local "
-             "step, `finetune_loss` FedLoRA's and FedDPA-F's fine-tune:", "",
+             "step, `finetune_loss` FedLoRA's and FedDPA-F's fine-tune; FedOA's `local_loss` includes its "
+             "regulariser lambda x D, shown as `local_reg`:", "",
              "| Method | Seed | " + " | ".join(f"{k} by round" for k in keys) + "".join(f" | {k}" for k in finals)
              + " |", "|---|---|" + "---|" * (len(keys) + len(finals))]
     for (label, seed), curves in runs.items():
@@ -195,3 +199,31 @@ def loss_lines(cells: list[dict[str, Any]]) -> list[str]:
         ends = [f"{curves['finalize'][k]:.3f}" if k in curves["finalize"] else "–" for k in finals]
         lines.append(f"| {label} | {seed} | " + " | ".join(by_round + ends) + " |")
     return lines
+
+
+def ood_lines(cells: list[dict[str, Any]]) -> list[str]:
+    """Markdown: the leave-one-task-out cells' scores on the tasks nobody trained on (paper 001 Table 2).
+
+    Each cell of a run trained with ``--leave-out`` holds ``ood`` (``fedmosaic eval``'s summary): every
+    target's mean over the held-out tasks. Intra-client OOD is each client's own model on them (here the
+    mean, lowest and highest over the clients); inter-client OOD is the global model's.
+    """
+    rows = []
+    for c in cells:
+        ood = c.get("ood") or {}
+        means = ood.get("mean") or {}
+        own = [float(v) for k, v in means.items() if k not in ("global", "base")]
+        if not own:
+            continue
+        held = ", ".join(ood.get("held_out") or [])
+        glob, base = means.get("global"), means.get("base")
+        rows.append(f"| {c['label']} | {c['seed']} | {held} | {statistics.fmean(own):.2f} "
+                    f"({min(own):.2f}-{max(own):.2f}, {len(own)} clients) | "
+                    + " | ".join("–" if v is None else f"{float(v):.2f}" for v in (glob, base)) + " |")
+    if not rows:
+        return []
+    return ["", "Out of distribution (runs trained with `--leave-out`; paper 001's leave-one-task-out): the "
+            "held-out tasks' mean score, each client's own model (intra-client; mean, lowest-highest over the "
+            "clients) and the global model (inter-client):", "",
+            "| Method | Seed | Held out | Clients' own models | Global | Base |", "|---|---|---|---:|---:|---:|",
+            *rows]

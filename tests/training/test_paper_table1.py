@@ -255,6 +255,8 @@ def test_fedoas_leave_out_run_shares_the_table_and_is_never_mixed_up(tmp_path: P
     (cell,) = [c for c in report["cells"] if c["method"] == "fedoa"]
     assert (out / "cells" / "fedoa__seed0__native__rouge1-2-b1-t2-lo-capitals.json").is_file()
     assert "capitals" in json.dumps(cell["ood"]) and set(cell["personalization"]["values"]) == {"sorting"}
+    table = (out / "table1.md").read_text()  # the held-out task's scores reach the table, with the global's
+    assert "Out of distribution" in table and "| FedOA | 0 | capitals |" in table
     run = json.loads((out / "fedoa" / "seed0" / "run.json").read_text())
     assert run["data_options"]["leave_out"] == ["capitals"]
     # the same run is never reused or resumed for another held-out task, nor without one
@@ -276,12 +278,28 @@ def test_loss_curves_average_the_clients_rows_by_round_and_keep_the_fine_tune_ap
             {"round": 0, "client": "b", "status": "ok", "loss": 2.0, "steps": 3.0},
             {"round": 0, "client": "c", "status": "failed", "error": "timeout"},
             {"round": 0, "aggregate": True, "loss": 1.5},
-            {"round": 1, "client": "a", "status": "ok", "loss": 0.5},
+            {"round": 1, "client": "a", "status": "ok", "loss": 0.5, "local_loss": 3.0, "local_reg": 2.0},
             {"round": 1, "client": "b", "status": "ok", "loss": 0.25},
             {"round": 2, "stage": "finalize", "client": "a", "status": "ok", "finetune_loss": 0.2},
             {"round": 2, "stage": "finalize", "client": "b", "status": "ok", "finetune_loss": 0.4}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
     curves = table_runs.loss_curves(tmp_path)
-    assert curves == {"rounds": {"loss": [1.5, 0.375]}, "finalize": {"finetune_loss": 0.3}}
+    # a regulariser's value is kept beside the loss that includes it (FedOA's local_reg in local_loss)
+    assert curves == {"rounds": {"loss": [1.5, 0.375], "local_loss": [3.0], "local_reg": [2.0]},
+                      "finalize": {"finetune_loss": 0.3}}
     md = "\n".join(table_runs.loss_lines([{"label": "FedLoRA", "seed": 0, "loss_curves": curves}]))
-    assert "| FedLoRA | 0 | 1.500 → 0.375 | 0.300 |" in md
+    assert "| FedLoRA | 0 | 1.500 → 0.375 | 3.000 | 2.000 | 0.300 |" in md
+
+
+def test_ood_lines_give_the_clients_own_models_and_the_global_on_the_held_out_tasks() -> None:
+    _bench()
+    import table_runs
+
+    cells = [{"label": "FedIT", "seed": 0},  # no held-out task: no row
+             {"label": "FedOA", "seed": 0, "ood": {"held_out": ["snli"], "metric": "rouge1",
+                                                   "mean": {"0": 20.0, "2": 30.0, "3": 40.0,
+                                                            "global": 36.0, "base": 15.5}}}]
+    md = "\n".join(table_runs.ood_lines(cells))
+    assert "| FedOA | 0 | snli | 30.00 (20.00-40.00, 3 clients) | 36.00 | 15.50 |" in md
+    assert "FedIT" not in md
+    assert table_runs.ood_lines(cells[:1]) == []
