@@ -121,13 +121,14 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
     check_run_data(run_dir, data_options)
     record = run_dir / "table1_train.json"
     if record.is_file():
-        return {**json.loads(record.read_text()), "reused": True}
+        return trained_cleanly(method, seed, run_dir, {**json.loads(record.read_text()), "reused": True})
     if (run_dir / "summary.json").is_file():  # a run finished before this script recorded it: its own figures
         done = json.loads((run_dir / "summary.json").read_text())
         info = {"train_seconds": done.get("seconds"), "rounds": done.get("rounds"),
-                "losses": [round(x, 4) for x in done.get("losses", [])], "failures": len(done.get("failures", []))}
+                "losses": [round(x, 4) for x in done.get("losses", [])], "failures": len(done.get("failures", [])),
+                "failure_errors": failure_errors(done.get("failures", []))}
         write_json(record, info)
-        return {**info, "reused": True}
+        return trained_cleanly(method, seed, run_dir, {**info, "reused": True})
     src = rounds_source(method, seed, args, options, source_options or {})
     if src is not None:
         copy_rounds(src, run_dir)
@@ -144,13 +145,35 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
                            preset_name=args.preset)
     seconds = round(time.perf_counter() - began, 1)
     info = {"train_seconds": seconds, "rounds": eff.rounds, "losses": [round(x, 4) for x in result.losses],
-            "failures": len(result.failures)}
+            "failures": len(result.failures), "failure_errors": failure_errors(result.failures)}
     if src is not None:  # the rounds are the source's: their losses and seconds, plus this run's end
         shared = json.loads((src / "table1_train.json").read_text())
         info.update(train_seconds=round(float(shared["train_seconds"]) + seconds, 1), losses=shared["losses"],
                     rounds_from=f"{src.parent.name}/{src.name}", own_seconds=seconds)
     write_json(record, info)
-    return {**info, "reused": False}
+    return trained_cleanly(method, seed, run_dir, {**info, "reused": False})
+
+
+def failure_errors(failures: list[Any]) -> list[str]:
+    """The distinct errors of a run's failed client fits (``(round, client, error)`` rows), at most three."""
+    return list(dict.fromkeys(str(f[-1]) for f in failures))[:3]
+
+
+def trained_cleanly(method: str, seed: int, run_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Return ``info`` if every client fit of the run succeeded; raise otherwise.
+
+    The round loop leaves a failed client out of its round and goes on (a timeout must not end a long run),
+    so a run whose clients all failed still finishes, with its adapters untrained. A table cell compares
+    methods at equal work: a run with any failed fit is not one, and is refused by name, with its errors.
+
+    Raises:
+        RuntimeError: the run recorded failed client fits.
+    """
+    if not info.get("failures"):
+        return info
+    errors = "; ".join(info.get("failure_errors") or ["see its metrics.jsonl"])
+    raise RuntimeError(f"{method} seed {seed}: {info['failures']} client fits failed in training ({errors}); "
+                       f"no cell is made from {run_dir}: fix the cause, move the run away and run again")
 
 
 def loss_curves(run_dir: Path) -> dict[str, Any]:

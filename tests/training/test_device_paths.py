@@ -96,6 +96,19 @@ def test_a_bf16_model_on_the_pretend_gpu_trains_fp32_adapters(method: str) -> No
         assert res.metrics["loss"] == res.metrics["loss"]  # not NaN
 
 
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_every_client_step_trains_under_the_cpus_autocast_bf16_policy(method: str) -> None:
+    """``autocast-bf16`` is the default on a CPU with native bf16: fp32 activations, frozen linear weights
+    stored in bf16. Every forward of a client step must run under the policy (FedAMoLE's embedding pass
+    once ran outside it, and every client of a SmolLM2 run failed on the dtype mismatch)."""
+    results, _ = _fit(method, None, "autocast-bf16")
+    plain, _ = _fit(method, None)
+    for res, ref in zip(results, plain, strict=True):
+        assert res.state.keys() == ref.state.keys()
+        assert all(v.dtype == torch.float32 and bool(torch.isfinite(v).all()) for v in res.state.values())
+        assert res.metrics["loss"] == pytest.approx(ref.metrics["loss"], rel=0.05)  # bf16 matmuls, same step
+
+
 def _run(method: str, out: Path, shadow: ShadowDevice | None, options: dict | None = None) -> RunDir:
     loaded = _moved(shadow)
     data = generate_suite(n_train=4, n_test=1, families=["sorting", "capitals"])

@@ -303,3 +303,26 @@ def test_ood_lines_give_the_clients_own_models_and_the_global_on_the_held_out_ta
     assert "| FedOA | 0 | snli | 30.00 (20.00-40.00, 3 clients) | 36.00 | 15.50 |" in md
     assert "FedIT" not in md
     assert table_runs.ood_lines(cells[:1]) == []
+
+
+def test_a_run_with_failed_client_fits_makes_no_cell_and_names_the_error(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The round loop leaves failed clients out and finishes the run; the table must not score what it left."""
+    bench = _bench()
+    from training.algorithms import fedit
+
+    def broken(self, ins, ctx):  # noqa: ANN001, ANN202 - the client's fit, as a dtype bug once broke FedAMoLE's
+        raise RuntimeError("expected m1 and m2 to have the same dtype")
+
+    monkeypatch.setattr(fedit.FedAvgClient, "fit", broken)
+    out = tmp_path / "t1"
+    common = [*ARGS[2:ARGS.index("--seeds")], "--seeds", "0", "--limit", "2", "--max-new-tokens", "2",
+              "--dtype", "float32", "--out", str(out)]
+    report = bench.main(["--methods", "fedit", *common])
+    (failure,) = report["failed"]
+    assert "client fits failed in training" in failure["error"] and "same dtype" in failure["error"]
+    assert not list((out / "cells").glob("*.json")) and report["cells"] == []
+    # asked again, the finished but failed run is still refused, not reused as a cell
+    monkeypatch.undo()
+    again = bench.main(["--methods", "fedit", *common])
+    assert len(again["failed"]) == 1 and not list((out / "cells").glob("*.json"))

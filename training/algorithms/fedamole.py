@@ -316,7 +316,9 @@ class FedAMoLEClient(ClientAlgorithm):
                                                                                device="cpu"),
                                    top_k=self.cfg.top_k, shared=self.cfg.shared_expert, observer=observe,
                                    router=self.cfg.router)
-            with torch.inference_mode(), rt.adapted.context.route_tokens(routing):
+            # under the model's dtype policy, as training's forwards: an autocast-bf16 model keeps its frozen
+            # linear weights in bf16 (models.loaded.store_linear_bf16), which fp32 activations cannot meet
+            with torch.inference_mode(), rt.adapted.context.route_tokens(routing), rt.loaded.autocast():
                 lm_forward(rt.model, batch, with_loss=False)  # the adapted layers observe; no head needed
         # Noise from its own (seed, round, client) stream: the global RNG, and so training, is untouched.
         noise_seed = derive_seed(ctx.seed, "embed-noise", round_idx, ctx.client_id)
