@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -236,13 +237,38 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"{summary.method}: {summary.rounds} rounds in {summary.seconds:.1f} s -> {summary.run_dir}")
     print("  mean client loss per round: " + ", ".join(f"{x:.3f}" for x in summary.losses))
     print(f"  bytes up {summary.bytes_up:,}  down {summary.bytes_down:,}  failures {len(summary.failures)}")
+    for line in failure_lines(summary.failures):
+        print("    " + line)
     gates = gate_lines(Path(summary.run_dir))
     if gates:
         kept = sum(line.endswith("kept") for line in gates)
         print(f"  local adapters kept by the hold-out check: {kept} of {len(gates)}")
         for line in gates:
             print("    " + line)
+    if summary.empty_rounds:
+        print(f"error: round(s) {', '.join(map(str, summary.empty_rounds))} aggregated no client (every fit failed, "
+              f"errors above), so the adapters did not train in them; fix the cause and train again into a "
+              f"new --out (a --resume of {summary.run_dir} would keep those rounds)", file=sys.stderr)
+        return 1
     return 0
+
+
+def failure_lines(failures: list[tuple[int, str, str]]) -> list[str]:
+    """One line per distinct error of a run's failed client fits: how many, which rounds and clients.
+
+    Args:
+        failures: ``(round, client, error)`` rows, as :class:`training.rounds.RunSummary` keeps them.
+    """
+    by_error: dict[str, list[tuple[int, str]]] = {}
+    for r, cid, error in failures:
+        by_error.setdefault(" ".join(error.split())[:300], []).append((r, cid))  # one line each, bounded
+    lines = []
+    for error, where in by_error.items():
+        rounds = sorted({r for r, _ in where})
+        clients = sorted({c for _, c in where})
+        shown = ", ".join(clients[:4]) + (f" and {len(clients) - 4} more" if len(clients) > 4 else "")
+        lines.append(f"{len(where)} failed (round {', '.join(map(str, rounds))}; {shown}): {error}")
+    return lines
 
 
 def _data_counts(dataset: Any, method: str, clients_per_task: int) -> dict[str, int]:

@@ -30,7 +30,7 @@ import random
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
@@ -116,6 +116,8 @@ class RunSummary:
     bytes_down: int
     failures: list[tuple[int, str, str]]
     seconds: float
+    # rounds of this invocation that aggregated no client's update (every fit failed): the state did not move
+    empty_rounds: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,7 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
     losses: list[float] = []
     up = down = 0
     failures_all: list[tuple[int, str, str]] = []
+    empty: list[int] = []
     bar = tqdm(range(start, cfg.rounds), desc=f"{m.name} rounds", unit="round", initial=start, total=cfg.rounds)
     for r in bar:
         began = time.perf_counter()
@@ -259,6 +262,7 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
         round_up, round_down = sum(x.get("bytes_up", 0) for x in rows), sum(x.get("bytes_down", 0) for x in rows)
         up, down = up + round_up, down + round_down
         failures_all += [(r, c, e) for c, e in failures]
+        empty += [r] if not results else []
         append_row(run.metrics, {"round": r, "aggregate": True, "clients": len(results), "failed": len(failures),
                                  "loss": mean_loss, "bytes_up": round_up, "bytes_down": round_down,
                                  "seconds": round(time.perf_counter() - began, 3), **server_metrics})
@@ -281,7 +285,7 @@ def run_rounds(plan: RunPlan, transport: Transport) -> RunSummary:
                 append_row(run.metrics, {"round": cfg.rounds, "stage": "finalize", "client": cid, "status": "ok",
                                          **finals[cid]})
     summary = RunSummary(str(run.root), m.name, cfg.rounds, losses, up, down, failures_all,
-                         round(time.perf_counter() - t0, 2))
+                         round(time.perf_counter() - t0, 2), empty)
     write_json(run.root / "summary.json", asdict(summary))
     return summary
 

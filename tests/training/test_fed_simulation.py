@@ -69,7 +69,22 @@ def test_every_client_over_the_soft_timeout_leaves_the_global_unchanged(tmp_path
     bad = [k for k in fresh if not torch.equal(fresh[k], saved[k])]
     assert not bad, (bad[:3], [float((fresh[k] - saved[k]).abs().max()) for k in bad[:3]])  # state kept
     summary = json.loads((run.root / "summary.json").read_text())
-    assert len(summary["failures"]) == 2
+    assert len(summary["failures"]) == 2 and summary["empty_rounds"] == [0]
+
+
+def test_the_train_command_names_each_failure_and_fails_when_a_round_trained_no_client(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedmosaic.cli import main  # the command a user runs
+
+    argv = ["train", "--method", "fedit", "--data", "generated", "--n-train", "5", "--n-test", "1", "--families",
+            ",".join(FAMILIES), "--rounds", "1", "--model", "tiny", "--preset", "tiny"]
+    assert main([*argv, "--out", str(tmp_path / "late"), "--timeout", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert "failures 2" in out and "2 failed (round 0; capitals, sorting): TimeoutError" in out
+    assert "round(s) 0 aggregated no client" in err and "new --out" in err
+    assert main([*argv, "--out", str(tmp_path / "ok")]) == 0
+    out, err = capsys.readouterr()
+    assert "failures 0" in out and "failed (" not in out and "aggregated no client" not in err
 
 
 def test_round_rows_carry_bytes_and_duration_and_only_the_global_travels(tmp_path: Path) -> None:
