@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from adapters.rundir import RunDir
-from fedmosaic.evaluation import plots, tables, testsets
+from fedmosaic.evaluation import outputs, plots, testsets
 from fedmosaic.evaluation.backend import WEIGHTING, EvalBackend, EvalItem, tag_of
 from fedmosaic.evaluation.inputs import AMOLE_MODELS, EvalSetupError, amole_reading, load_inputs
 from fedmosaic.evaluation.predictions import PredictionCache, make_row
 from fedmosaic.evaluation.stack_backend import open_backend
-from fedmosaic.evaluation.testsets import TestSet
 from fedmosaic.evaluation.weights import weight_outputs
 from routing.embedding import check_pooling
 from routing.feddpa import VARIANTS, similarity_name
@@ -232,12 +231,14 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         grid[key] = grid[canonical[key]]
         if ttp_grid:
             ttp_grid[key] = ttp_grid[canonical[key]]
-    summary = _write_outputs(run, out, cfg, dataset, test_set, clients, grid, opts, ttp_grid or None)
+    summary = outputs.write_tables(run, out, cfg, dataset, test_set, clients, grid, opts.metric, opts.limit,
+                                   _ttp_note(opts), ttp_grid or None)
+    summary["options"] = asdict(opts)
     if dataset.held_out and set(dataset.held_out) <= set(dataset.tasks):  # FedOA's leave-one-task-out run
-        summary["ood"] = _ood(out, dataset, grid, opts.metric)
+        summary["ood"] = outputs.ood_block(out, dataset, grid, opts.metric)
     summary["targets"] = {key: described[t] for key, t in targets.items()}
-    summary["example_scores"] = _example_scores(examples, canonical, {c: dataset.task_of(c) for c in clients},
-                                                opts.metric, opts.ttp_limit)
+    summary["example_scores"] = outputs.per_example(examples, canonical, {c: dataset.task_of(c) for c in clients},
+                                                    opts.metric, opts.ttp_limit)
     # What this call generated and what it found cached (an earlier, interrupted call's or shared answers)
     summary["answers"] = {"generated": len(items), "cached": scored - len(items)}
     if amole is not None:
@@ -268,21 +269,6 @@ def _counts(jobs: Sequence[tuple[str, str]], canonical: dict[str, str], client_t
         full = ttp_limit is None or any(k not in client_tasks or client_tasks[k] == task for k in sharing[key])
         counts[key, task] = len(prompts[task]) if full else min(len(prompts[task]), ttp_limit)  # type: ignore[type-var]
     return counts
-
-
-def _example_scores(examples: dict[str, dict[str, list[float]]], canonical: dict[str, str],
-                    client_tasks: dict[str, str], metric: str, ttp_limit: int | None) -> dict[str, Any]:
-    """Each client's per-example scores behind its Personalization and TTP cells, for paired comparisons.
-
-    ``personalization``: client -> its model's scores on its own task (absent where the test set lacks
-    the task); ``ttp``: client -> task -> its model's scores on the examples the TTP column averages
-    (the first ``ttp_limit`` of each task, or all). Each list is in test-set order, so two runs scored on
-    the same test set pair example by example.
-    """
-    own = {c: examples[canonical[c]][t] for c, t in client_tasks.items() if t in examples[canonical[c]]}
-    ttp = {c: {t: v[:ttp_limit] if ttp_limit is not None else v for t, v in examples[canonical[c]].items()}
-           for c in client_tasks}
-    return {"metric": metric, "personalization": own, "ttp": ttp}
 
 
 def _ttp_note(opts: EvalOptions) -> list[str]:
@@ -317,48 +303,6 @@ def _generate_into(cache: PredictionCache, backend: EvalBackend, items: Sequence
             cache.append(item.checkpoint, item.key, item.task,
                          [make_row(item.i, item.prompt, item.reference, pred, item.tag)])
             bar.update(1)
-
-
-def _ood(out: Path, dataset: FederatedDataset, grid: dict[str, dict[str, Scores]], metric: str) -> dict:
-    """FedOA's leave-one-task-out scores (paper 001 Table 2): every target's mean over the held-out tasks.
-
-    Intra-client OOD is each client's personalised model (``<client>``) on the tasks nobody trained on;
-    inter-client OOD is the global model's. Appended to ``eval/table.md``.
-    """
-    held = list(dataset.held_out)
-    means = {key: sum(float(by_task[t].get(metric)) for t in held) / len(held)
-             for key, by_task in grid.items() if all(t in by_task for t in held)}
-    lines = [f"\nOut of distribution ({metric}, mean over held-out tasks {', '.join(held)}):\n",
-             "| target | " + " | ".join(held) + " | mean |", "| --- |" + " ---: |" * (len(held) + 1)]
-    for key, mean in means.items():
-        lines.append(f"| {key} | " + " | ".join(f"{float(grid[key][t].get(metric)):.2f}" for t in held)
-                     + f" | {mean:.2f} |")
-    with (out / "table.md").open("a") as f:
-        f.write("\n".join(lines) + "\n")
-    return {"held_out": held, "metric": metric, "mean": means}
-
-
-def _write_outputs(run: RunDir, out: Path, cfg: dict, dataset: FederatedDataset, test_set: TestSet,
-                   clients: list[str], grid: dict[str, dict[str, Scores]], opts: EvalOptions,
-                   ttp_grid: dict[str, dict[str, Scores]] | None = None) -> dict:
-    """Write ``table.md`` and ``scores.png`` into ``out``; return the summary's scores, tables and Markdown."""
-    client_tasks = {c: dataset.task_of(c) for c in clients}
-    label = str(cfg.get("method", run.root.name))
-    blocks = tables.block_rows(label, grid, clients, client_tasks, opts.metric, ttp_grid=ttp_grid)
-    columns = [client_tasks[c] for c in clients]
-    md = tables.markdown(blocks, columns, opts.metric, title=test_set.heading(label),
-                         notes=tables.coverage_notes(clients, client_tasks, test_set.tasks) + _ttp_note(opts))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(md)
-    plots.plot_scores({k: {t: s.get(opts.metric) for t, s in v.items()} for k, v in grid.items()},
-                      out / "scores.png", opts.metric)
-    return {
-        "run": str(run.root), "method": label, "options": asdict(opts),
-        "test_set": {**test_set.summary(client_tasks, opts.limit), "duplicates": dataset.duplicates},
-        "clients": clients, "client_tasks": client_tasks, "tables": tables.blocks_json(blocks, columns),
-        "markdown": md, "scores": {k: {t: s.asdict() for t, s in v.items()} for k, v in grid.items()},
-        **({"ttp_scores": {k: {t: s.asdict() for t, s in v.items()} for k, v in ttp_grid.items()}} if ttp_grid else {}),
-    }
 
 
 def _per_round(run: RunDir, out: Path, dataset: FederatedDataset, opts: EvalOptions, backend: EvalBackend,
