@@ -280,11 +280,7 @@ def markdown(rows: list[dict[str, Any]], cells: list[dict[str, Any]], settings: 
     lines += table_orderings.ordering_lines(orderings or [], LABELS)
     lines += table_runs.ood_lines(cells)
     lines += table_runs.loss_lines(cells)
-    base = next((c["base"] for c in cells if c.get("base")), None)
-    if base is not None:
-        lines += ["", f"The base model without adapters: Personalization {float(base['personalization']):.2f}, "
-                  f"TTP {float(base['ttp']):.2f} (the same answers in every run: generated once, "
-                  "`<out>/base-answers/`)."]
+    lines += table_runs.base_lines(cells)
     return "\n".join(lines) + "\n"
 
 

@@ -250,3 +250,21 @@ def ood_lines(cells: list[dict[str, Any]]) -> list[str]:
             "clients) and the global model (inter-client):", "",
             "| Method | Seed | Held out | Clients' own models | Global | Base |", "|---|---|---|---:|---:|---:|",
             *rows]
+
+
+def base_lines(cells: list[dict[str, Any]]) -> list[str]:
+    """Markdown: the bare base model's Personalization and TTP, read from a cell trained on every client.
+
+    The base answers are shared, but a run trained with ``--leave-out`` has fewer clients, so its base row
+    averages fewer tasks; it is used (and says so) only when no other cell has the base row.
+    """
+    with_base = [c for c in cells if c.get("base")]
+    full = [c for c in with_base if not (c.get("ood") or {}).get("held_out")]
+    if not with_base:
+        return []
+    cell = (full or with_base)[0]
+    base = cell["base"]
+    scope = "" if full else f" (over the clients of {cell['label']}'s run without {', '.join(cell['ood']['held_out'])})"
+    return ["", f"The base model without adapters: Personalization {float(base['personalization']):.2f}, "
+            f"TTP {float(base['ttp']):.2f}{scope} (the same answers in every run: generated once, "
+            "`<out>/base-answers/`)."]

@@ -305,6 +305,19 @@ def test_ood_lines_give_the_clients_own_models_and_the_global_on_the_held_out_ta
     assert table_runs.ood_lines(cells[:1]) == []
 
 
+def test_the_base_line_is_read_from_a_cell_trained_on_every_client() -> None:
+    _bench()
+    import table_runs
+
+    oa = {"label": "FedOA", "seed": 0, "base": {"personalization": 16.66, "ttp": 17.0},
+          "ood": {"held_out": ["snli"], "mean": {"global": 1.0}}}
+    fedit = {"label": "FedIT", "seed": 0, "base": {"personalization": 16.5, "ttp": 17.91}}
+    assert "Personalization 16.50, TTP 17.91 (the same" in table_runs.base_lines([oa, fedit])[1]
+    alone = table_runs.base_lines([oa])[1]
+    assert "Personalization 16.66, TTP 17.00 (over the clients of FedOA's run without snli)" in alone
+    assert table_runs.base_lines([{"label": "Local", "seed": 0}]) == []
+
+
 def test_a_run_with_failed_client_fits_makes_no_cell_and_names_the_error(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The round loop leaves failed clients out and finishes the run; the table must not score what it left."""
