@@ -104,6 +104,8 @@ def method_settings(method: str, preset_name: str = "paper", rounds: int | None 
     clip = overrides.pop("max_grad_norm", None)
     train = preset(preset_name, m.regime, **overrides)
     if clip is not None:
+        if clip < 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0 turns clipping off), got {clip}")
         train = replace(train, max_grad_norm=clip if clip > 0 else None)
     opts = scaled_options(m.regime, preset_name, m.options_for(data, n_clients=n_clients))
     # Defaults that depend on what is not known here are left to run_federated, which knows the data set
@@ -209,8 +211,16 @@ def run_train(args: argparse.Namespace) -> int:
         if not args.print_config:
             raise SystemExit(f"fedmosaic train: {exc}") from exc
         dataset = None  # --print-config without the data: the arithmetic for FedDPA's 300 examples a client
-    eff = method_settings(args.method, args.preset, args.rounds, options, data=args.data,
-                          **_data_counts(dataset, args.method, args.clients_per_task), **overrides)
+    try:  # the settings' own checks (rounds, rates, sizes, limits) name the bad value: one line, no traceback
+        if args.clients_per_task < 1:
+            raise ValueError(f"--clients-per-task must be >= 1, got {args.clients_per_task}")
+        eff = method_settings(args.method, args.preset, args.rounds, options, data=args.data,
+                              **_data_counts(dataset, args.method, args.clients_per_task), **overrides)
+        sim = SimConfig(rounds=eff.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
+                        client_timeout_s=args.timeout, keep_strategy=args.keep_strategy,
+                        clients_per_task=args.clients_per_task)
+    except ValueError as exc:
+        raise SystemExit(f"fedmosaic train: {exc}") from exc
     if args.print_config:
         print(json.dumps(eff.asdict(), indent=2, sort_keys=True))
         return 0
@@ -228,9 +238,6 @@ def run_train(args: argparse.Namespace) -> int:
               + f" (untrained {found.start_loss:.4f}); chosen {found.lr:.3g}")
         train = replace(train, lr=found.lr)
         record["lr_search"] = found.asdict()
-    sim = SimConfig(rounds=eff.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
-                    client_timeout_s=args.timeout, keep_strategy=args.keep_strategy,
-                    clients_per_task=args.clients_per_task)
     summary = run_federated(args.method, dataset, loaded, args.out, sim, train, eff.options, resume=args.resume,
                             data_spec=args.data, data_options=data_options,
                             model_name=args.model, preset_name=args.preset, record=record)

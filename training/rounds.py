@@ -88,6 +88,8 @@ class RoundConfig:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.sample_rate is not None and not 0 < self.sample_rate <= 1:  # checked before round 0, not in it
+            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if self.keep_strategy < 0:
             raise ValueError(f"keep_strategy must be >= 0 (0 keeps every round), got {self.keep_strategy}")
 

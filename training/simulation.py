@@ -68,6 +68,8 @@ class SimConfig:
         self.round_config()  # the loop's own checks (rounds, fraction, keep_strategy)
         if self.clients_per_task < 1:
             raise ValueError(f"clients_per_task must be >= 1, got {self.clients_per_task}")
+        if self.client_timeout_s is not None and not self.client_timeout_s >= 0:  # 0: every fit is late (tests)
+            raise ValueError(f"client_timeout_s must be >= 0 seconds or None, got {self.client_timeout_s}")
 
     def round_config(self) -> RoundConfig:
         """The round loop's part of these settings."""

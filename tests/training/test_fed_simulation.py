@@ -175,3 +175,24 @@ def test_a_fine_tunes_loss_is_a_finalize_row_written_once_even_when_the_run_is_e
         assert np.isfinite(row["finetune_loss"]) and row["finetune_loss"] > 0
     fedit = _run("fedit", tmp_path / "fedit", rounds=1, embed=False)
     assert not any(x.get("stage") == "finalize" for x in _rows(fedit))  # nothing personalised, nothing to report
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--clients-per-task", "0", "--clients-per-task must be >= 1"),  # was a ZeroDivisionError
+    ("--timeout", "-1", "client_timeout_s must be >= 0"),  # was a run whose every fit failed
+    ("--max-grad-norm", "-1", "--max-grad-norm must be >= 0"),  # was clipping silently off
+    ("--sample-rate", "-1", "sample_rate must be in (0, 1]"),  # was a traceback from inside round 0
+    ("--rounds", "0", "rounds must be >= 1"),
+    ("--max-steps", "-1", "max_steps must be >= 1 or None"),
+])
+def test_the_train_command_refuses_a_bad_setting_in_one_line_before_training(
+        tmp_path: Path, flag: str, value: str, named: str) -> None:
+    from fedmosaic.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--method", "fedit", "--data", "generated", "--n-train", "5", "--n-test", "1", "--families",
+              ",".join(FAMILIES), "--rounds", "1", "--model", "tiny", "--preset", "tiny", "--out", str(out),
+              flag, value])
+    assert str(exc.value).startswith("fedmosaic train: ") and named in str(exc.value)
+    assert not out.exists()  # refused before anything was written
