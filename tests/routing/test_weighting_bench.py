@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from tests.bench_script import load_bench
 from training.data.records import ClientData, FederatedDataset, Record
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():  # noqa: ANN202 - the script is not a package module
-    spec = importlib.util.spec_from_file_location("feddpa_weighting", ROOT / "bench" / "feddpa_weighting.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_bench("feddpa_weighting")
 
 
 class Untouchable(dict):

@@ -8,7 +8,6 @@ a second invocation finds every cell finished and neither trains nor evaluates.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import statistics
@@ -17,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_script import load_bench
+
 ARGS = ["--methods", "fedit,feddpa-t", "--data", "generated", "--data-option", "n_train=4",
         "--data-option", "n_test=2", "--data-option", "families=sorting,capitals", "--model", "tiny",
         "--preset", "tiny", "--rounds", "1", "--seeds", "0", "1", "--limit", "2", "--max-new-tokens", "2",
@@ -25,10 +25,7 @@ ARGS = ["--methods", "fedit,feddpa-t", "--data", "generated", "--data-option", "
 
 
 def _bench():  # noqa: ANN202 - the script is not a package module
-    spec = importlib.util.spec_from_file_location("paper_table1", ROOT / "bench" / "paper_table1.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_bench("paper_table1")
 
 
 def test_aggregate_is_mean_and_sample_std_over_seeds() -> None:

@@ -7,22 +7,16 @@ exact binomial quantiles for a single outlier, and nothing computed for cells sc
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_script import load_bench
 
 
 def _orderings():  # noqa: ANN202 - the script is not a package module
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("table_orderings", ROOT / "bench" / "table_orderings.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_bench("table_orderings")
 
 
 def _examples(own: dict[str, list[float]], ttp: dict[str, dict[str, list[float]]]) -> dict:

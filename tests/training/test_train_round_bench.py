@@ -3,26 +3,19 @@ micro-batches gives the real and padded tokens the trainer's forwards actually s
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from adapters import LoraConfig
 from models import LoadedModel
+from tests.bench_script import load_bench
 from training.data import Example, collate, generate_suite
 from training.local_train import length_grouped, lm_loss, train_adapters
 from training.protocol import derive_seed
 from training.runtime import Runtime, TrainConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _bench():  # noqa: ANN202 - the script is not a package module
-    spec = importlib.util.spec_from_file_location("train_round", ROOT / "bench" / "train_round.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_bench("train_round")
 
 
 def _spread(examples: list[Example]) -> list[Example]:
