@@ -48,6 +48,16 @@ def quickstart_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0", "GRADIO_ANALYTICS_ENABLED": "False"}
 
 
+def _terminal_sigint() -> None:
+    """Give the child Ctrl-C as a terminal's foreground job has it.
+
+    A test run launched in the background by a shell without job control (``cmd &`` in a script, some CI
+    runners) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored, so the teardown's Ctrl-C
+    would never reach the quick start and the fixture would wait out its 60 s instead of testing the stop.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def listening(url: str) -> bool:
     """True when something accepts TCP connections at ``url``'s host and port."""
     parts = urlparse(url)
@@ -65,7 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "--port", "0", "--demo-port", "0", "--api-key", API_KEY]
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=quickstart_env(), start_new_session=True)
+                                env=quickstart_env(), start_new_session=True, preexec_fn=_terminal_sigint)
     deadline = time.monotonic() + 420
     text = ""
     while time.monotonic() < deadline:
