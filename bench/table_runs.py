@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from models import load_base_model
-from training.cli import method_settings
+from training.cli import failure_lines, method_settings
 from training.data import load_dataset
 from training.runfiles import read_rows
 from training.simulation import SimConfig, run_federated
@@ -155,8 +155,9 @@ def train_run(method: str, seed: int, args: argparse.Namespace, data_options: di
 
 
 def failure_errors(failures: list[Any]) -> list[str]:
-    """The distinct errors of a run's failed client fits (``(round, client, error)`` rows), at most three."""
-    return list(dict.fromkeys(str(f[-1]) for f in failures))[:3]
+    """A run's failed client fits (``(round, client, error)`` rows), one line per distinct error, at most
+    five: how many, in which rounds, which clients (the train command's own report of them)."""
+    return failure_lines([(int(r), str(c), str(e)) for r, c, e in failures])[:5]
 
 
 def trained_cleanly(method: str, seed: int, run_dir: Path, info: dict[str, Any]) -> dict[str, Any]:

@@ -331,6 +331,8 @@ def test_a_run_with_failed_client_fits_makes_no_cell_and_names_the_error(tmp_pat
     report = bench.main(["--methods", "fedit", *common])
     (failure,) = report["failed"]
     assert "client fits failed in training" in failure["error"] and "same dtype" in failure["error"]
+    # grouped as the train command reports them: one line per cause, with its count, rounds and clients
+    assert "(2 failed (round 0; capitals, sorting): RuntimeError: expected m1" in failure["error"]
     assert not list((out / "cells").glob("*.json")) and report["cells"] == []
     # asked again, the finished but failed run is still refused, not reused as a cell
     monkeypatch.undo()
