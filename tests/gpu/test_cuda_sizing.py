@@ -9,9 +9,6 @@ synchronisations are counted without depending on its rows. Skipped without a GP
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,6 +19,7 @@ from serving.engine import Engine, EngineConfig, StepReport
 from serving.engine.request import GenerationRequest
 from serving.engine.sampling import SamplingParams
 from serving.stack import StackConfig, build_stack
+from tests.bench_script import load_bench
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -64,11 +62,7 @@ def test_a_default_engine_fills_its_share_of_the_free_memory(smollm2: LoadedMode
 
 
 def test_the_amole_serving_benchmark_runs_on_cuda() -> None:
-    spec = importlib.util.spec_from_file_location("amole_serving", Path(__file__).parents[2] / "bench" /
-                                                  "amole_serving.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("amole_serving")
     out = bench.measure(tiny_llama(device="cuda"), batch=4, tokens=8, steps=2, repeats=1, experts=8)
     assert out["device"] == "cuda:0" and out["results"]["amole_8_clients"]["decode_step_s"] > 0
 

@@ -9,7 +9,6 @@ model's device and answer as on the CPU. The continuous-batching engine is being
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from serving.batch import BatchConfig, run_batch
 from serving.beam import GenerationConfig, generate, generate_target
 from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
+from tests.bench_script import load_bench
 from tests.devicecheck import ShadowDevice
 from training.data import generate_suite
 from training.runtime import preset
@@ -141,11 +141,7 @@ def test_a_batch_file_is_answered_on_the_models_device(runs: dict[str, Path], tm
 
 def test_the_amole_serving_benchmark_runs_on_the_models_device() -> None:
     """bench/amole_serving.py made its prompt ids on the CPU and failed on CUDA at its first forward."""
-    spec = importlib.util.spec_from_file_location("amole_serving", Path(__file__).parents[2] / "bench" /
-                                                  "amole_serving.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("amole_serving")
     with ShadowDevice() as shadow:
         out = bench.measure(_loaded(shadow), batch=2, tokens=4, steps=1, repeats=1, experts=8)
     assert out["device"] == "cuda:0" and set(out["results"]) == {"base", "lora_per_row", "amole_1_client",
