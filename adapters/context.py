@@ -82,12 +82,16 @@ class AdapterWeights:
             (FedDPA-T trains the local adapter beside the frozen global). None: every adapter
             follows its parameters' ``requires_grad``.
         routing: a per-token router every layer also runs (rows it routes have zero rows here).
+        row: the one weight row that every batch row uses, on the host (K floats), or None. The trainer's
+            case (:meth:`AdapterContext.uniform`): the layers read it instead of ``weights``, so a forward
+            never reads a tensor's values (no device sync, no graph break under ``torch.compile``).
     """
 
     names: tuple[str, ...]
     weights: torch.Tensor
     trainable: frozenset[str] | None = None
     routing: TokenRouting | None = None
+    row: tuple[float, ...] | None = None
     # Per-forward memo shared by every layer: which adapters are dense or gathered, the gather
     # indices and coefficients. Computed by the first layer, reused by the other 59 (decode steps
     # are dominated by this bookkeeping otherwise).
@@ -111,6 +115,10 @@ class AdapterWeights:
         # forward. Weights built on a device come from already-checked numbers (routing, the trainer).
         if self.weights.device.type == "cpu" and not torch.isfinite(self.weights).all():
             raise AdapterError("adapter weights contain NaN or inf")
+        if self.row is not None and (len(self.row) != len(self.names) or self.weights.shape[0] != 1
+                                     or self.per_token):
+            raise AdapterError(f"a shared weight row needs {len(self.names)} weights and (1, K) weights, got "
+                               f"{self.row} and {tuple(self.weights.shape)}")
         if self.trainable is not None:
             unknown = set(self.trainable) - set(self.names)
             if unknown:
@@ -163,6 +171,40 @@ class AdapterContext:
             names=tuple(names),
             weights=tensor,
             trainable=None if trainable is None else frozenset(trainable),
+        )
+        self._stack.append(state)
+        try:
+            yield state
+        finally:
+            self._stack.pop()
+
+    @contextlib.contextmanager
+    def uniform(
+        self,
+        names: Sequence[str],
+        weights: Sequence[float],
+        trainable: Sequence[str] | None = None,
+    ) -> Iterator[AdapterWeights]:
+        """Apply the same ``weights`` to every row of every forward inside the block (local training).
+
+        The weights stay Python floats that each layer reads on the host: an adapter at weight 0 is
+        skipped, the others take the dense path whatever the batch size. Nothing waits for the device,
+        and a compiled decoder layer (``TrainConfig.compile``) traces it without a graph break.
+
+        Args:
+            names: K adapter names (slots).
+            weights: their K finite weights.
+            trainable: adapters that get gradients; the others are detached. None: all.
+
+        Yields:
+            The validated :class:`AdapterWeights` (its ``weights`` the ``(1, K)`` row).
+        """
+        row = tuple(float(w) for w in weights)
+        state = AdapterWeights(
+            names=tuple(names),
+            weights=torch.tensor([row], dtype=torch.float32).reshape(1, len(row)),
+            trainable=None if trainable is None else frozenset(trainable),
+            row=row,
         )
         self._stack.append(state)
         try:

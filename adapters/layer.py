@@ -185,6 +185,8 @@ class MultiLoraLinear(nn.Module):
             # Plain-adapter rows may share the batch (serving); their weights follow below.
         if state is None or not state.names:
             return result
+        if state.row is not None:
+            return self._uniform(state, state.row, x, result)
         present = [k for k, n in enumerate(state.names) if n in self.adapters]
         if not present:
             return result
@@ -199,6 +201,17 @@ class MultiLoraLinear(nn.Module):
         if plan.gathered:
             out = self._gathered(state, plan, x3, out)
         return out.squeeze(1) if squeeze else out
+
+    def _uniform(self, state: AdapterWeights, row: tuple[float, ...], x: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+        """Every row's weights are ``row``: each adapter on is one dense update, its weight a host float."""
+        for name, w in zip(state.names, row, strict=True):
+            if w == 0.0 or name not in self.adapters:
+                continue
+            A, B, adapter = self._tensors(state, name, x.dtype)
+            delta = lora_delta(adapter.dropout(x), A, B, adapter.scaling)  # (..., o)
+            out = out + (delta if w == 1.0 else delta * w).to(out.dtype)
+        return out
 
     def _plan(self, state: AdapterWeights, present: tuple[int, ...], x3: torch.Tensor) -> _Plan:
         """Dense and gathered adapters of this forward, memoised on the context for all layers."""

@@ -90,8 +90,9 @@ def last_token_state(
     input_ids, mask = input_ids.to(device), attention_mask.to(device).long()
     ctx: AbstractContextManager[object] = nullcontext()
     if adapted is not None and names:
-        w = weights if weights is not None else torch.ones(input_ids.shape[0], len(names), device=device)
-        ctx = adapted.context.use(tuple(names), w)
+        # every row at weight 1 unless told: a host row (no sync; a compiled decoder layer traces it whole)
+        ctx = (adapted.context.use(tuple(names), weights) if weights is not None
+               else adapted.context.uniform(tuple(names), [1.0] * len(names)))
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
     with torch.inference_mode(), ctx:
         out = decoder(model)(input_ids=input_ids, attention_mask=mask, position_ids=positions,

@@ -144,7 +144,8 @@ def train_adapters(
     pad, device = runtime.tokenizer.pad_token_id, runtime.device
     if len(weights) != len(names) or not all(math.isfinite(float(x)) for x in weights):
         raise ValueError(f"weights must be {len(names)} finite numbers for adapters {tuple(names)}, got {weights}")
-    w_row = torch.tensor([list(weights)], dtype=torch.float32, device=device).reshape(1, len(names))
+    row = [float(x) for x in weights]
+    w_row = torch.tensor([row], dtype=torch.float32, device=device).reshape(1, len(names))
     in_forward = tuple(t for t in trainable if t in names)  # AMoLE routes inside the loss instead
     grouped = bool(getattr(loss_fn, "length_grouped", False))
     losses: list[torch.Tensor] = []  # per step, on the device; read one step late so a GPU never idles
@@ -167,7 +168,8 @@ def train_adapters(
             for batch in batches:
                 micro = batch["input_ids"]
                 w = w_row.expand(len(micro), -1)
-                with adapted.context.use(tuple(names), w, trainable=in_forward), runtime.loaded.autocast():
+                # the row on the host (adapters.context.uniform): no device sync, no graph break when compiled
+                with adapted.context.uniform(tuple(names), row, trainable=in_forward), runtime.loaded.autocast():
                     loss, extra = loss_fn(runtime, batch, names, w)
                 (loss * (len(micro) / len(idx))).backward()
                 step_loss += loss.detach().double() * (len(micro) / len(idx))

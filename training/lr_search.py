@@ -74,8 +74,7 @@ def validation_loss(rt: Runtime, examples: Sequence[Example], names: Sequence[st
         count = int((shifted_targets(batch["labels"]) != IGNORE).sum())
         if count == 0:  # no response token within the cutoff: nothing to score
             continue
-        w = torch.ones(batch["input_ids"].shape[0], len(names), device=rt.device)
-        with rt.adapted.context.use(tuple(names), w, trainable=()), rt.loaded.autocast():
+        with rt.adapted.context.uniform(tuple(names), [1.0] * len(names), trainable=()), rt.loaded.autocast():
             mean = lm_forward(rt.model, batch).loss  # the batch's mean over its labelled tokens
         assert mean is not None
         total += float(mean) * count

@@ -57,7 +57,7 @@ def _pooled(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None, la
     if adapter is None:
         out = lm_forward(rt.model, batch, with_loss=labels)
     else:
-        with rt.adapted.context.use((adapter,), torch.ones(mask.shape[0], 1, device=mask.device), trainable=trainable):
+        with rt.adapted.context.uniform((adapter,), (1.0,), trainable=trainable):
             out = lm_forward(rt.model, batch, with_loss=labels)
     return out.loss, mean_pool(out.hidden, mask)
 
@@ -96,9 +96,10 @@ class FedMCPLoss:
         if len(batches) < 2 or self.mu == 0:
             return  # one forward holds the whole batch: computed directly
         feats, consts = [], []
+        row = weights.reshape(-1).tolist()  # every row's weights, read once a step (the layers read host floats)
         with eval_mode(rt.model):
             for b in batches:
-                with rt.adapted.context.use(tuple(names), weights.expand(b["input_ids"].shape[0], -1), trainable=()):
+                with rt.adapted.context.uniform(tuple(names), row, trainable=()):
                     full = _pooled(rt, b, None)[1] if not self.private_y else torch.empty(0)
                 feats.append((_pooled(rt, b, "global")[1], self._y(rt, b, full, ())))
                 consts.append((_pooled(rt, b, "received")[1],))

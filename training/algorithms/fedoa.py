@@ -44,7 +44,7 @@ def _features(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None,
     if adapter is None:
         out = lm_forward(rt.model, batch, with_loss=labels)
     else:
-        with rt.adapted.context.use((adapter,), torch.ones(mask.shape[0], 1, device=mask.device), trainable=()):
+        with rt.adapted.context.uniform((adapter,), (1.0,), trainable=()):
             out = lm_forward(rt.model, batch, with_loss=labels)
     return out.loss, last_token(out.hidden, mask)
 
@@ -76,9 +76,10 @@ class FedOALoss:
         if len(batches) < 2 or self.lam == 0:
             return  # one forward holds the whole batch: computed directly (and exactly, dropout included)
         feats, consts = [], []
+        row = weights.reshape(-1).tolist()  # every row's weights, read once a step (the layers read host floats)
         with eval_mode(rt.model):
             for b in batches:
-                with rt.adapted.context.use(tuple(names), weights.expand(b["input_ids"].shape[0], -1), trainable=()):
+                with rt.adapted.context.uniform(tuple(names), row, trainable=()):
                     feats.append((_features(rt, b, None)[1],))
                 consts.append((_features(rt, b, "global")[1],))
         self._split = split_term(self._term, feats, consts)
