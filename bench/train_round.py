@@ -18,6 +18,10 @@ dataset 1's clients (``FEDMOSAIC_DATA_DIR``, the real spread of lengths) instead
 ``--random smollm2|llama7b`` builds a random bf16 model of SmolLM2's or LLaMA-7B's shape on the device
 instead of loading weights (for a GPU machine that has SmolLM2's tokenizer but not its weights; speed does
 not depend on the values; the vocabulary widens to the tokenizer's 49,152 ids).
+``--compile [MODE]`` runs our rounds with the base model's decoder layers compiled (``TrainConfig.compile``,
+``torch.compile`` mode ``default`` or the one named); ``--compile-plain`` compiles the plain loop's layers
+too (its PEFT LoRA layers break the graph where they read their Python state). The warm-up then also runs
+a FedDPA-T round, so each variant's compilation stays out of the timings (``warmup_s`` reports it).
 ``--profile FILE`` runs one more FedDPA-T round under the torch profiler, writes its Chrome trace to FILE
 and prints the top operators to stderr.
 
@@ -38,7 +42,7 @@ CPU), and the 1-minute load average to judge that. Both loops run on ``--device`
 overrides; bf16 on CUDA), and every timing waits for the device. Usage: ``python bench/train_round.py
 [--model smollm2|tiny|FOLDER] [--random smollm2|llama7b] [--device auto|cpu|cuda|cuda:N] [--dtype D]
 [--data generated|feddpa1] [--clients 3] [--steps 3] [--train-examples N] [--batch 4] [--micro-batch 4] [--cutoff N]
-[--lora-dropout 0] [--repeats 1] [--threads N] [--profile FILE]``.
+[--lora-dropout 0] [--repeats 1] [--threads N] [--compile [MODE]] [--compile-plain] [--profile FILE]``.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from pathlib import Path
 import torch
 
 from models import LoadedModel, load_base_model
-from models.loaded import frozen
+from models.loaded import COMPILE_MODES, compile_decoder_layers, frozen
 from models.settings import DEVICE_HELP, DTYPES, device_option, resolve_device
 from training.algorithms import get_method
 from training.data import Example, generate_suite, load_dataset
@@ -177,6 +181,9 @@ def main() -> None:
                         help="LoRA dropout of both loops (0: their losses agree up to float order)")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="also profile one FedDPA-T round: Chrome trace to FILE, top operators to stderr")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                        metavar="MODE", help="compile our decoder layers (a torch.compile mode, default: default)")
+    parser.add_argument("--compile-plain", action="store_true", help="with --compile: the plain loop's layers too")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
@@ -186,22 +193,34 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.train_examples is not None and args.train_examples < 1:
         parser.error(f"--train-examples must be >= 1, got {args.train_examples}")
+    if args.compile_plain and args.compile is None:
+        parser.error("--compile-plain compiles the plain loop like ours: give --compile too")
 
     cutoff = args.cutoff or (128 if args.data == "generated" else None)
     train = preset("small", batch_size=args.batch, micro_batch_size=args.micro_batch, max_steps=args.steps,
                    cutoff_len=cutoff, lr=3e-4)
-    train = dataclasses.replace(train, lora=dataclasses.replace(train.lora, dropout=args.lora_dropout))
+    train = dataclasses.replace(train, lora=dataclasses.replace(train.lora, dropout=args.lora_dropout),
+                                compile=args.compile)
     clients = _clients(args.data, args.seed, max(args.batch * 2, 8), args.clients, args.train_examples)
     ours = Runtime(_load(args.model, args.device, args.dtype, args.random), train)
     examples = {c.client_id: ours.examples(c) for c in clients}
-    # Warm-up: first forward/backward pays one-off allocation and kernel selection costs.
+    # Warm-up: first forward/backward pays one-off allocation and kernel selection costs (and compilation:
+    # FedDPA-T's two-adapter forwards are variants of their own).
+    warm_start = time.perf_counter()
     protocol_round("fedit", ours, clients[:1], 0, args.seed)
+    if args.compile:
+        protocol_round("feddpa-t", ours, clients[:1], 1, args.seed)
+    warmup_s = {"ours": time.perf_counter() - warm_start}
     # a second copy: our injection wraps the first model's Linears
     plain_loaded = as_transformers_loads_it(_load(args.model, args.device, args.dtype, args.random))
     plain_model = peft_model(plain_loaded, train)
+    if args.compile_plain:
+        compile_decoder_layers(plain_loaded.model, args.compile)
+    warm_start = time.perf_counter()
     fedit = get_method("fedit")
     start_state = fedit.strategy({**fedit.defaults, "seed": args.seed}).initial_state(ours)
     plain_peft_round(plain_model, plain_loaded, dict(list(examples.items())[:1]), train, args.seed, start_state)
+    warmup_s["plain"] = time.perf_counter() - warm_start
     runs: dict[str, Callable[[], tuple[float, list[float]]]] = {
         "fedit": lambda: protocol_round("fedit", ours, clients, 0, args.seed),
         "feddpa_t": lambda: protocol_round("feddpa-t", ours, clients, 1, args.seed),
@@ -246,6 +265,9 @@ def main() -> None:
         "micro_batch": args.micro_batch,
         "cutoff": train.cutoff_len,
         "lora_dropout": args.lora_dropout,
+        "compile": args.compile,
+        "compile_plain": args.compile_plain,
+        "warmup_s": {k: round(v, 1) for k, v in warmup_s.items()},
         "mean_tokens_per_example": round(sum(lengths) / len(lengths), 1),
         "plain_peft_s": round(plain, 3),
         "fedit_round_s": round(fedit, 3),

@@ -100,3 +100,42 @@ def store_linear_bf16(model: torch.nn.Module) -> int:
             module.weight = torch.nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
             count += 1
     return count
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def compile_decoder_layers(model: torch.nn.Module, mode: str = "default") -> int:
+    """Compile each decoder layer of ``model`` in place with ``torch.compile`` (dynamic shapes).
+
+    The layers are compiled, not the whole model: HF's model body keeps its mask and cache logic eager,
+    and every layer shares one compiled code object (the first layer's input, which needs no gradient,
+    and each adapter set in the forward make their own variants, hence the raised recompile limit).
+    Adapted layers trace without a graph break when the batch's weights are host floats
+    (``AdapterContext.uniform``, the trainer's case); per-row weights still run, with a break.
+
+    Args:
+        model: a causal LM with its decoder layers in ``model.model.layers`` (Llama, Mistral, Qwen2/3).
+        mode: a ``torch.compile`` mode (``reduce-overhead`` adds CUDA graphs on a GPU).
+
+    Returns:
+        The number of layers compiled (layers already compiled are left as they are).
+
+    Raises:
+        ValueError: an unknown mode, or a model without that layer list.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"cannot compile {type(model).__name__}: its decoder layers are not in model.model.layers "
+                         "(Llama, Mistral and Qwen models have them there); train without compile")
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.recompile_limit = max(int(dynamo_config.recompile_limit), 64)
+    count = 0
+    for layer in layers:
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(mode=mode, dynamic=True)
+            count += 1
+    return count

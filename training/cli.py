@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models import settings
+from models.loaded import COMPILE_MODES
 
 if TYPE_CHECKING:
     from training.runtime import TrainConfig
@@ -157,6 +158,9 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     for name, kind in TRAIN_OVERRIDES:
         p.add_argument(f"--{name}", type=kind, default=None, help="overrides the method's regime and the preset")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
+                   help="torch.compile the base model's decoder layers for training (mode: default, reduce-overhead "
+                        "for CUDA graphs, max-autotune); the same training up to float order, after a one-off compile")
     p.add_argument("--n-train", type=int, default=None, help="generated suite: training examples per client")
     p.add_argument("--n-test", type=int, default=None, help="generated suite: test examples per task")
     p.add_argument("--families", default=None, help="generated suite: comma-separated task families")
@@ -201,6 +205,7 @@ def run_train(args: argparse.Namespace) -> int:
             raise SystemExit(f"fedmosaic train: --hold-out must be in (0, 0.5], got {args.hold_out}")
         data_options["hold_out"] = args.hold_out
     overrides = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in TRAIN_OVERRIDES}
+    overrides["compile"] = args.compile
     if not args.out and not args.print_config:
         raise SystemExit("fedmosaic train: --out is required (or pass --print-config)")
     if args.lr_search and args.lr is not None:

@@ -167,8 +167,17 @@ def _check_resumable(run: RunDir, config: Mapping[str, Any]) -> None:
     old = run.read_config()
     old.setdefault("clients_per_task", 1)  # run.json written before the field existed
     for key in RESUME_KEYS:
-        if json.dumps(old.get(key), sort_keys=True) != json.dumps(config.get(key), sort_keys=True):
+        before, now = _compared(key, old.get(key)), _compared(key, config.get(key))
+        if json.dumps(before, sort_keys=True) != json.dumps(now, sort_keys=True):
             raise ValueError(f"cannot resume {run.root}: its {key} is {old.get(key)!r}, now {config.get(key)!r}")
+
+
+def _compared(key: str, value: Any) -> Any:
+    """What a resume must match: the training settings without ``compile``, which says how the steps ran
+    (like ``device``, and absent from runs recorded before it existed), not what they compute."""
+    if key == "train" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "compile"}
+    return value
 
 
 def _resume_point(plan: RunPlan, strategy: Strategy, transport: Transport) -> tuple[int, StateDict | None]:

@@ -1,0 +1,58 @@
+"""``TrainConfig.compile``: the decoder layers compiled (inductor) train what the eager layers train, a run
+recorded eager (or before the field existed) resumes compiled, and bad settings are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adapters.rundir import RunDir
+from models import tiny_llama
+from models.loaded import compile_decoder_layers
+from training.data import generate_suite
+from training.runtime import TrainConfig, preset
+from training.simulation import SimConfig, run_federated
+
+FAMILIES = ["sorting", "capitals"]
+DATA = generate_suite(n_train=6, n_test=2, families=FAMILIES)
+# no LoRA dropout: the compiled graph draws its masks from its own generator
+TRAIN = dataclasses.replace(preset("tiny"), lora=dataclasses.replace(preset("tiny").lora, dropout=0.0))
+
+
+def _run(out: Path, rounds: int, train: TrainConfig, resume: bool = False) -> RunDir:
+    run_federated("fedit", DATA, tiny_llama(), out, SimConfig(rounds=rounds), train, resume=resume,
+                  data_spec="generated", data_options={"n_train": 6, "n_test": 2, "families": FAMILIES})
+    return RunDir(out)
+
+
+def test_an_eager_run_resumed_compiled_ends_where_the_eager_run_does(tmp_path: Path) -> None:
+    straight = _run(tmp_path / "straight", 2, TRAIN)
+    partial = _run(tmp_path / "partial", 1, TRAIN)
+    config = json.loads(partial.run_json.read_text())
+    del config["train"]["compile"]  # as run.json was written before the field existed
+    partial.run_json.write_text(json.dumps(config))
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    resumed = _run(tmp_path / "partial", 2, dataclasses.replace(TRAIN, compile="default"), resume=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])  # the layers traced whole
+    a = load_file(str(straight.global_adapter / "adapter_model.safetensors"))
+    b = load_file(str(resumed.global_adapter / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:  # float32: the same training up to the fused kernels' summation order
+        torch.testing.assert_close(b[key], a[key], atol=2e-5, rtol=1e-4)
+    assert not torch.equal(a[next(iter(a))], torch.zeros_like(a[next(iter(a))]))
+
+
+def test_settings_that_cannot_compile_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="compile must be None or one of"):
+        TrainConfig(compile="fast")
+    with pytest.raises(ValueError, match="model.model.layers"):
+        compile_decoder_layers(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        compile_decoder_layers(tiny_llama().model, "turbo")
