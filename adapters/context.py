@@ -172,11 +172,8 @@ class AdapterContext:
             weights=tensor,
             trainable=None if trainable is None else frozenset(trainable),
         )
-        self._stack.append(state)
-        try:
+        with self._entered(state):
             yield state
-        finally:
-            self._stack.pop()
 
     @contextlib.contextmanager
     def uniform(
@@ -206,11 +203,8 @@ class AdapterContext:
             trainable=None if trainable is None else frozenset(trainable),
             row=row,
         )
-        self._stack.append(state)
-        try:
+        with self._entered(state):
             yield state
-        finally:
-            self._stack.pop()
 
     @contextlib.contextmanager
     def route_tokens(
@@ -228,11 +222,8 @@ class AdapterContext:
             weights: ``(B, K)`` weights over ``names``; zero rows for routed rows.
         """
         tensor = weights if weights is not None else torch.zeros(routing.rows, len(names))
-        self._stack.append(AdapterWeights(names=tuple(names), weights=tensor, routing=routing))
-        try:
+        with self._entered(AdapterWeights(names=tuple(names), weights=tensor, routing=routing)):
             yield routing
-        finally:
-            self._stack.pop()
 
     @contextlib.contextmanager
     def single(self, name: str, batch: int, trainable: bool = True) -> Iterator[AdapterWeights]:
@@ -243,7 +234,13 @@ class AdapterContext:
     @contextlib.contextmanager
     def base(self) -> Iterator[None]:
         """Run the base model alone inside the block, whatever an outer block set."""
-        self._stack.append(AdapterWeights(names=(), weights=torch.zeros(1, 0)))
+        with self._entered(AdapterWeights(names=(), weights=torch.zeros(1, 0))):
+            yield
+
+    @contextlib.contextmanager
+    def _entered(self, state: AdapterWeights) -> Iterator[None]:
+        """``state`` is the current weights inside the block, whatever the block raises."""
+        self._stack.append(state)
         try:
             yield
         finally:
