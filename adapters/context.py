@@ -196,7 +196,10 @@ class AdapterContext:
         Yields:
             The validated :class:`AdapterWeights` (its ``weights`` the ``(1, K)`` row).
         """
-        row = tuple(float(w) for w in weights)
+        try:
+            row = tuple(float(w) for w in weights)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise AdapterError(f"adapter weights must be {len(names)} finite numbers, got {weights!r}: {exc}") from exc
         state = AdapterWeights(
             names=tuple(names),
             weights=torch.tensor([row], dtype=torch.float32).reshape(1, len(row)),

@@ -53,6 +53,9 @@ def test_a_bad_row_is_refused_with_its_shape() -> None:
         pass
     with pytest.raises(AdapterError, match="NaN or inf"), layer.context.uniform(NAMES, (1.0, float("nan"), 0, 0)):
         pass
+    for bad in ((1.0, 10 ** 400, 0, 0), (1.0, "half", 0, 0)):  # too large for a float; not a number
+        with pytest.raises(AdapterError, match="must be 4 finite numbers"), layer.context.uniform(NAMES, bad):
+            pass
     with pytest.raises(AdapterError, match=r"\(1, K\)"):
         AdapterWeights(names=("g",), weights=torch.ones(2, 1), row=(1.0,))
 
