@@ -20,6 +20,7 @@ from torch import nn
 
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext, AdapterWeights
+from adapters.dropout import LoraDropout
 from adapters.functional import gathered_lora_delta, lora_delta, slot_usage, stack_padded, weight_column
 
 
@@ -51,7 +52,7 @@ class LoraAdapter(nn.Module):
         # fp32 masters on the frozen layer's device; the forward casts them to the activations' dtype
         self.lora_A = nn.Parameter(torch.zeros(config.r, in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, config.r, device=device))
-        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
+        self.dropout = LoraDropout(config.dropout) if config.dropout > 0 else nn.Identity()
 
     def reset(self, generator: torch.Generator | None = None) -> None:
         """PEFT's default init: A Kaiming-uniform (a = sqrt(5)), B zero, so the update starts at 0.

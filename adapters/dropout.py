@@ -1,0 +1,91 @@
+"""LoRA dropout on the adapter's input, its masks drawn as 32-bit random words (the papers' LoRA dropout, METHODS.md).
+
+PEFT applies ``nn.Dropout(lora_dropout)`` to each adapter's input (paper 000 and its reference code: 0.05
+on q and v). The semantics are the same here: each element is zeroed with probability ``p`` and the rest
+are scaled by ``1 / (1 - p)``, a fresh mask per adapter and per forward.
+
+Why not ``F.dropout``: on the CPU a mask element costs about 10 ns through ``bernoulli_`` (one
+Mersenne-twister draw and a float compare per element), and ``torch.compile``'s inductor draws it element
+by element in its own generated loop, slower still, which took away most of what compiling the decoder
+layers gains. Here a mask comes from 64-bit random words, two 32-bit draws each (``random_`` over the
+full int64 range), compared against ``round(p * 2**32)``: a drop probability within ``2**-33`` of ``p``
+(``bernoulli_``'s float uniform resolves ``2**-24``). The draw is one opaque custom op, so a compiled layer
+calls it as it is and fuses the compare and the scaling into its own code. Every device takes this one
+path (its own generator draws the words), so eager and compiled layers, and the CPU and a GPU, share
+the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_SPAN = 2**32
+
+
+# A mutating op: AOT autograd's CSE would merge two pure draws of the same input into one mask (it
+# knows only aten's random ops); each call's fresh ``empty`` output keeps the draws apart.
+@torch.library.custom_op("fedmosaic::fill_random_words_", mutates_args=("words",),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def fill_random_words_(words: torch.Tensor) -> None:
+    """Fill a contiguous int32 tensor of even length with uniform words from the default generator."""
+    if words.dtype != torch.int32 or not words.is_contiguous() or words.numel() % 2:
+        raise ValueError(f"fill_random_words_ needs a contiguous int32 tensor of even length, got "
+                         f"{words.dtype} of {words.numel()}")
+    words.view(torch.int64).random_(-(2**63), None)  # two 32-bit words per 64-bit draw
+
+
+@fill_random_words_.register_fake
+def _fill_random_words_fake(words: torch.Tensor) -> None:
+    return None
+
+
+def random_words(like: torch.Tensor) -> torch.Tensor:
+    """Uniform random int32 words shaped like ``like`` (its values unused)."""
+    n = like.numel()
+    words = torch.empty((n + 1) // 2 * 2, dtype=torch.int32, device=like.device)
+    fill_random_words_(words)
+    return words[:n].view(like.shape)
+
+
+def drop_threshold(p: float) -> int:
+    """The int32 word below which an element is dropped: ``round(p * 2**32)`` words of ``2**32`` drop."""
+    return -(2**31) + round(p * _SPAN)
+
+
+def lora_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Inverted dropout of ``x`` (any shape): zero with probability ``p``, scale the rest by ``1 / (1 - p)``.
+
+    Args:
+        x: the adapter's input.
+        p: drop probability, ``0 <= p < 1``.
+        training: dropout is applied only when True (``p = 0`` is the identity too).
+
+    Returns:
+        A tensor like ``x``; ``x`` itself when nothing is dropped.
+
+    Raises:
+        ValueError: ``p`` outside ``[0, 1)``.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
+    if not training or p == 0.0:
+        return x
+    keep = random_words(x) >= drop_threshold(p)  # (..., d) bool
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+class LoraDropout(nn.Module):
+    """``nn.Dropout``'s place in a LoRA adapter, with :func:`lora_dropout`'s masks (follows ``.train()``)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lora_dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
