@@ -23,29 +23,25 @@ from torch import nn
 _SPAN = 2**32
 
 
-# A mutating op: AOT autograd's CSE would merge two pure draws of the same input into one mask (it
-# knows only aten's random ops); each call's fresh ``empty`` output keeps the draws apart.
-@torch.library.custom_op("fedmosaic::fill_random_words_", mutates_args=("words",),
-                         tags=(torch.Tag.nondeterministic_seeded,))
-def fill_random_words_(words: torch.Tensor) -> None:
-    """Fill a contiguous int32 tensor of even length with uniform words from the default generator."""
-    if words.dtype != torch.int32 or not words.is_contiguous() or words.numel() % 2:
-        raise ValueError(f"fill_random_words_ needs a contiguous int32 tensor of even length, got "
-                         f"{words.dtype} of {words.numel()}")
-    words.view(torch.int64).random_(-(2**63), None)  # two 32-bit words per 64-bit draw
+# ``nonce``, a fresh empty tensor per call, keeps two draws for the same input apart: AOT autograd's CSE
+# would merge two calls with equal arguments into one mask (it knows only aten's random ops, and never
+# merges ``empty``). A functional op, not an in-place fill: inductor fused a read of a filled buffer
+# ahead of the fill (torch 2.13, a decoder layer's graph).
+@torch.library.custom_op("fedmosaic::random_words", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _random_words(like: torch.Tensor, nonce: torch.Tensor) -> torch.Tensor:
+    n = like.numel()
+    words = torch.empty((n + 1) // 2, dtype=torch.int64, device=like.device).random_(-(2**63), None)
+    return words.view(torch.int32)[:n].view(like.shape)  # two 32-bit words per 64-bit draw
 
 
-@fill_random_words_.register_fake
-def _fill_random_words_fake(words: torch.Tensor) -> None:
-    return None
+@_random_words.register_fake
+def _random_words_fake(like: torch.Tensor, nonce: torch.Tensor) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=torch.int32, device=like.device)
 
 
 def random_words(like: torch.Tensor) -> torch.Tensor:
-    """Uniform random int32 words shaped like ``like`` (its values unused)."""
-    n = like.numel()
-    words = torch.empty((n + 1) // 2 * 2, dtype=torch.int32, device=like.device)
-    fill_random_words_(words)
-    return words[:n].view(like.shape)
+    """Uniform random int32 words shaped like ``like`` (its values unused), from its device's generator."""
+    return _random_words(like, torch.empty(0, device=like.device))
 
 
 def drop_threshold(p: float) -> int:

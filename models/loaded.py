@@ -109,8 +109,11 @@ def compile_decoder_layers(model: torch.nn.Module, mode: str = "default") -> int
     """Compile each decoder layer of ``model`` in place with ``torch.compile`` (dynamic shapes).
 
     The layers are compiled, not the whole model: HF's model body keeps its mask and cache logic eager,
-    and every layer shares one compiled code object (the first layer's input, which needs no gradient,
-    and each adapter set in the forward make their own variants, hence the raised recompile limit).
+    and every layer shares one compiled code object (each adapter set in the forward, a batch with no
+    padding and a one-row batch make their own variants, hence the raised recompile limit). The first
+    layer stays eager: its input needs no gradient, unlike every other layer's, so compiling it would
+    double the training variants (each a compilation of 10-20 s on a small CPU) for a thirtieth of the
+    forward.
     Adapted layers trace without a graph break when the batch's weights are host floats
     (``AdapterContext.uniform``, the trainer's case); per-row weights still run, with a break.
 
@@ -119,7 +122,7 @@ def compile_decoder_layers(model: torch.nn.Module, mode: str = "default") -> int
         mode: a ``torch.compile`` mode (``reduce-overhead`` adds CUDA graphs on a GPU).
 
     Returns:
-        The number of layers compiled (layers already compiled are left as they are).
+        The number of layers compiled (layers already compiled, and the first, are left as they are).
 
     Raises:
         ValueError: an unknown mode, or a model without that layer list.
@@ -134,7 +137,7 @@ def compile_decoder_layers(model: torch.nn.Module, mode: str = "default") -> int
 
     dynamo_config.recompile_limit = max(int(dynamo_config.recompile_limit), 64)
     count = 0
-    for layer in layers:
+    for layer in list(layers)[1:] or list(layers):  # a one-layer model: its layer
         if getattr(layer, "_compiled_call_impl", None) is None:
             layer.compile(mode=mode, dynamic=True)
             count += 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adapters import AdapterContext, LoraConfig
-from adapters.dropout import LoraDropout, drop_threshold, fill_random_words_, lora_dropout
+from adapters.dropout import LoraDropout, drop_threshold, lora_dropout, random_words
 from adapters.layer import MultiLoraLinear
 
 
@@ -67,11 +67,16 @@ def test_a_probability_outside_0_1_is_refused(p: float) -> None:
         LoraDropout(p)
 
 
-def test_the_draw_refuses_a_buffer_it_cannot_fill_whole() -> None:
-    with pytest.raises(ValueError, match="even length"):
-        fill_random_words_(torch.empty(5, dtype=torch.int32))
-    with pytest.raises(ValueError, match="int32"):
-        fill_random_words_(torch.empty(4, dtype=torch.float32))
+def test_the_words_are_uniform_32_bit_draws_of_any_length() -> None:
+    torch.manual_seed(0)
+    for n in (1, 5, 4096):  # odd lengths cut the last 64-bit draw in half
+        words = random_words(torch.empty(n, 1))
+        assert words.shape == (n, 1) and words.dtype == torch.int32
+    words = random_words(torch.empty(1_000_000)).double()
+    # uniform over [-2**31, 2**31): mean 0 and sd 2**32 / sqrt(12), both sides of zero, both parities
+    assert abs(words.mean().item()) < 6 * 2**32 / math.sqrt(12) / 1000
+    assert (words < 0).double().mean().item() == pytest.approx(0.5, abs=0.003)
+    assert (words.remainder(2) == 1).double().mean().item() == pytest.approx(0.5, abs=0.003)
 
 
 def two_adapter_layer() -> MultiLoraLinear:

@@ -20,8 +20,8 @@ from training.simulation import SimConfig, run_federated
 
 FAMILIES = ["sorting", "capitals"]
 DATA = generate_suite(n_train=6, n_test=2, families=FAMILIES)
-# no LoRA dropout: the compiled graph draws its masks from its own generator
-TRAIN = dataclasses.replace(preset("tiny"), lora=dataclasses.replace(preset("tiny").lora, dropout=0.0))
+# LoRA dropout on: a compiled layer draws the eager layer's masks (adapters.dropout)
+TRAIN = dataclasses.replace(preset("tiny"), lora=dataclasses.replace(preset("tiny").lora, dropout=0.1))
 
 
 def _run(out: Path, rounds: int, train: TrainConfig, resume: bool = False) -> RunDir:
@@ -56,3 +56,14 @@ def test_settings_that_cannot_compile_are_refused_by_name() -> None:
         compile_decoder_layers(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="reduce-overhead"):
         compile_decoder_layers(tiny_llama().model, "turbo")
+
+
+def test_every_layer_but_the_first_is_compiled() -> None:
+    """The first layer's input needs no gradient: compiled, it would be a second variant of every graph."""
+    model = tiny_llama().model
+    layers = model.model.layers
+    assert len(layers) > 1
+    assert compile_decoder_layers(model) == len(layers) - 1
+    assert getattr(layers[0], "_compiled_call_impl", None) is None
+    assert all(layer._compiled_call_impl is not None for layer in list(layers)[1:])
+    assert compile_decoder_layers(model) == 0  # already compiled: left as they are
