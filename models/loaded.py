@@ -102,7 +102,21 @@ def store_linear_bf16(model: torch.nn.Module) -> int:
     return count
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+COMPILE_MODES = ("default", "max-autotune")
+# torch.compile modes refused for training, each with the reason a user is told
+REFUSED_COMPILE_MODES = {
+    "reduce-overhead": "its CUDA graphs crashed the process (a segmentation fault in the compiled backward of a "
+                       "training step; H200, torch 2.11) and add nothing on a CPU",
+}
+
+
+def check_compile_mode(mode: str) -> None:
+    """Raise ``ValueError`` naming the problem unless ``mode`` is one of :data:`COMPILE_MODES`."""
+    if mode in REFUSED_COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r} is not offered for training: {REFUSED_COMPILE_MODES[mode]}; "
+                         f"use one of {', '.join(COMPILE_MODES)}")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
 
 def compile_decoder_layers(model: torch.nn.Module, mode: str = "default") -> int:
@@ -119,16 +133,16 @@ def compile_decoder_layers(model: torch.nn.Module, mode: str = "default") -> int
 
     Args:
         model: a causal LM with its decoder layers in ``model.model.layers`` (Llama, Mistral, Qwen2/3).
-        mode: a ``torch.compile`` mode (``reduce-overhead`` adds CUDA graphs on a GPU).
+        mode: a ``torch.compile`` mode, ``default`` or ``max-autotune`` (``reduce-overhead`` is refused:
+            :data:`REFUSED_COMPILE_MODES`).
 
     Returns:
         The number of layers compiled (layers already compiled, and the first, are left as they are).
 
     Raises:
-        ValueError: an unknown mode, or a model without that layer list.
+        ValueError: an unknown or refused mode, or a model without that layer list.
     """
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    check_compile_mode(mode)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"cannot compile {type(model).__name__}: its decoder layers are not in model.model.layers "

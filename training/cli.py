@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models import settings
-from models.loaded import COMPILE_MODES
+from models.loaded import check_compile_mode
 
 if TYPE_CHECKING:
     from training.runtime import TrainConfig
@@ -128,6 +128,15 @@ def _value(text: str) -> Any:
         return text
 
 
+def _compile_mode(text: str) -> str:
+    """``--compile``'s value: a mode :func:`models.loaded.check_compile_mode` accepts (its reason otherwise)."""
+    try:
+        check_compile_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``fedmosaic train``."""
     from training.algorithms import ALGORITHMS
@@ -158,9 +167,9 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     for name, kind in TRAIN_OVERRIDES:
         p.add_argument(f"--{name}", type=kind, default=None, help="overrides the method's regime and the preset")
-    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
-                   help="torch.compile the base model's decoder layers for training (mode: default, reduce-overhead "
-                        "for CUDA graphs, max-autotune); the same training up to float order, after a one-off compile")
+    p.add_argument("--compile", nargs="?", const="default", default=None, type=_compile_mode, metavar="MODE",
+                   help="torch.compile the base model's decoder layers for training (mode: default or "
+                        "max-autotune); the same training up to float order, after a one-off compile")
     p.add_argument("--n-train", type=int, default=None, help="generated suite: training examples per client")
     p.add_argument("--n-test", type=int, default=None, help="generated suite: test examples per task")
     p.add_argument("--families", default=None, help="generated suite: comma-separated task families")

@@ -19,7 +19,7 @@ import torch
 
 from adapters import AdaptedModel, LoraConfig, inject
 from models import LoadedModel
-from models.loaded import COMPILE_MODES, compile_decoder_layers
+from models.loaded import check_compile_mode, compile_decoder_layers
 from training.data import IGNORE, ClientData, Example, PromptConfig, tokenize_record
 from training.protocol import StateDict
 from training.regime import BUDGETS, FEDDPA_REGIME, OPTIMIZERS, SCHEDULES, Regime, train_fields
@@ -52,7 +52,7 @@ class TrainConfig:
         lora: the adapters' LoRA config (r 8, alpha 16, dropout 0.05 on q_proj, v_proj).
         prompt_style: ``alpaca_short`` (paper) or ``chat``.
         compile: None (eager), or the ``torch.compile`` mode the runtime compiles the base model's decoder
-            layers with (``default``, ``reduce-overhead``, ``max-autotune``;
+            layers with (``default`` or ``max-autotune``;
             :func:`models.loaded.compile_decoder_layers`). The same training up to float summation order
             (bit-close in float32; in bf16 the fused kernels round less, nearer the float32 run), paid
             for by compiling once per process.
@@ -89,8 +89,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.optimizer must be adamw, adam or sgd, got {self.optimizer!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.compile is not None and self.compile not in COMPILE_MODES:
-            raise ValueError(f"TrainConfig.compile must be None or one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.compile is not None:
+            try:
+                check_compile_mode(self.compile)
+            except ValueError as exc:
+                raise ValueError(f"TrainConfig.compile must be None or a compile mode: {exc}") from None
         if not 0 < self.round_decay <= 1:
             raise ValueError(f"TrainConfig.round_decay must be in (0, 1], got {self.round_decay}")
 

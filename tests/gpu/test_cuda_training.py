@@ -10,6 +10,7 @@ of the same rounds on the CPU (largest difference 1.6e-5 at values up to 0.5).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from training.algorithms import get_method
 from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
 from training.data import generate_suite
 from training.protocol import ClientContext, FitIns, FitRes, StateDict
-from training.runtime import Runtime, preset
+from training.runtime import Runtime, TrainConfig, preset
 from training.simulation import SimConfig, run_federated
 
 pytestmark = pytest.mark.cuda
@@ -115,9 +116,9 @@ def test_a_bf16_feddpa_t_round_on_cuda_moves_the_adapters_as_the_fp32_cpu_round(
             assert x.metrics["loss"] == pytest.approx(y.metrics["loss"], rel=2e-3)
 
 
-def _run(method: str, device: str, out: Path, options: dict | None = None) -> Path:
+def _run(method: str, device: str, out: Path, options: dict | None = None, train: TrainConfig = TRAIN) -> Path:
     data = generate_suite(n_train=4, n_test=1, families=["sorting", "capitals"])
-    run_federated(method, data, load_base_model("tiny", device=device), out, SimConfig(rounds=2), TRAIN, options,
+    run_federated(method, data, load_base_model("tiny", device=device), out, SimConfig(rounds=2), train, options,
                   data_spec="generated")
     return out
 
@@ -161,3 +162,16 @@ def test_fedmosaic_train_device_cuda_runs_a_feddpa_t_run(tmp_path: Path) -> None
                  "--device", "cuda", "--out", str(out)]) == 0
     assert json.loads((out / "run.json").read_text())["device"] == "cuda:0"
     assert (out / "adapters" / "clients" / "sorting" / "local" / "adapter_model.safetensors").is_file()
+
+
+def test_compiled_layers_on_cuda_train_what_eager_layers_train_with_lora_dropout(tmp_path: Path) -> None:
+    """Inductor's CUDA kernels with LoRA dropout on: the compiled layers draw the eager layers' masks from the
+    GPU's generator (one seed, the same draws in the same order), so the two runs end with the same adapters."""
+    from torch._dynamo.utils import counters
+
+    train = dataclasses.replace(TRAIN, lora=LoraConfig(dropout=0.1))
+    eager = _run("fedit", "cuda", tmp_path / "eager", train=train)
+    counters.clear()
+    compiled = _run("fedit", "cuda", tmp_path / "compiled", train=dataclasses.replace(train, compile="default"))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    _assert_same_adapters(compiled, eager)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from adapters.rundir import RunDir
+from fedmosaic.cli import main
 from models import tiny_llama
 from models.loaded import compile_decoder_layers
 from training.data import generate_suite
@@ -50,12 +51,28 @@ def test_an_eager_run_resumed_compiled_ends_where_the_eager_run_does(tmp_path: P
 
 
 def test_settings_that_cannot_compile_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="compile must be None or one of"):
+    with pytest.raises(ValueError, match="compile must be None or a compile mode.*'fast'"):
         TrainConfig(compile="fast")
     with pytest.raises(ValueError, match="model.model.layers"):
         compile_decoder_layers(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="reduce-overhead"):
+    with pytest.raises(ValueError, match="default, max-autotune, got 'turbo'"):
         compile_decoder_layers(tiny_llama().model, "turbo")
+
+
+def test_cuda_graphs_are_refused_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """``reduce-overhead`` segfaulted in a compiled backward on an H200 (torch 2.11): a clear error instead."""
+    with pytest.raises(ValueError, match="'reduce-overhead' is not offered for training: its CUDA graphs crashed"):
+        TrainConfig(compile="reduce-overhead")
+    model = tiny_llama().model
+    with pytest.raises(ValueError, match="segmentation fault"):
+        compile_decoder_layers(model, "reduce-overhead")
+    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in model.model.layers)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "tiny", "--compile", "reduce-overhead", "--data", "generated"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --compile: compile mode 'reduce-overhead' is not offered for training" in err
+    assert "use one of default, max-autotune" in err
 
 
 def test_every_layer_but_the_first_is_compiled() -> None:
