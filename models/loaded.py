@@ -112,7 +112,7 @@ REFUSED_COMPILE_MODES = {
 
 def check_compile_mode(mode: str) -> None:
     """Raise ``ValueError`` naming the problem unless ``mode`` is one of :data:`COMPILE_MODES`."""
-    if mode in REFUSED_COMPILE_MODES:
+    if isinstance(mode, str) and mode in REFUSED_COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r} is not offered for training: {REFUSED_COMPILE_MODES[mode]}; "
                          f"use one of {', '.join(COMPILE_MODES)}")
     if mode not in COMPILE_MODES:

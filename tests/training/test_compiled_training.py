@@ -53,6 +53,8 @@ def test_an_eager_run_resumed_compiled_ends_where_the_eager_run_does(tmp_path: P
 def test_settings_that_cannot_compile_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="compile must be None or a compile mode.*'fast'"):
         TrainConfig(compile="fast")
+    with pytest.raises(ValueError, match=r"got \['default'\]"):  # not a string (a hand-edited config): no TypeError
+        TrainConfig(compile=["default"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="model.model.layers"):
         compile_decoder_layers(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="default, max-autotune, got 'turbo'"):
