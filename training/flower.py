@@ -41,6 +41,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from adapters.rundir import RunDir
 from models import settings
+from models.loaded import check_compile_mode
 from training.algorithms import get_method
 from training.flower_messages import identity_content, read_fit_content, read_private_versions, reply_content
 from training.flower_transport import FlowerTransport
@@ -77,6 +78,9 @@ class FlowerConfig:
             default) lets each process decide by its own ``FEDMOSAIC_DEVICE`` (default ``auto``), since
             the server and every SuperNode may sit on different hardware.
         resume: continue the run in ``out`` after its newest round that verifies (private state included).
+        compile: empty (the default: eager), or the ``torch.compile`` mode every process compiles the base
+            model's decoder layers in for training (``default`` or ``max-autotune``, as ``fedmosaic train
+            --compile``); each node compiles once, on its first fit. A run resumes under another mode.
     """
 
     method: str = "feddpa-t"
@@ -96,11 +100,17 @@ class FlowerConfig:
     sample_rate: float | None = None
     device: str = ""
     resume: bool = False
+    compile: str = ""
 
     def __post_init__(self) -> None:
         self.round_config()  # the loop's own checks (rounds, fraction, keep_strategy)
         if self.device:
             settings.check_device_spec(self.device, "the Flower run config's device")
+        if self.compile:
+            try:
+                check_compile_mode(self.compile)
+            except ValueError as exc:
+                raise ValueError(f"the Flower run config's compile: {exc}") from None
 
     def round_config(self) -> RoundConfig:
         """The round loop's part of these settings (the simulator's client selection)."""
@@ -120,13 +130,15 @@ class FlowerConfig:
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(model: str, preset_name: str, device: str = "", method: str = "fedit") -> Runtime:
+def _runtime(model: str, preset_name: str, device: str = "", method: str = "fedit", compile_mode: str = "") -> Runtime:
     # One base model per node process: Ray actors are reused across rounds in simulation (federated.md 2.3).
     # Clients load every tensor they train from the message, so the cached adapters never leak into a fit.
+    # Keyed by these fields, not the config: its dict fields are not hashable.
     from models import load_base_model
 
     # the method's own paper regime under the preset's budget, as in the simulator (training/regime.py)
-    return Runtime(load_base_model(model, device=device or None), preset(preset_name, get_method(method).regime))
+    train = preset(preset_name, get_method(method).regime, compile=compile_mode or None)
+    return Runtime(load_base_model(model, device=device or None), train)
 
 
 @functools.lru_cache(maxsize=2)
@@ -165,7 +177,7 @@ def make_client_app(config: FlowerConfig | None = None) -> ClientApp:
         if addressed != client.client_id:
             raise ValueError(f"this node serves client {client.client_id!r}, the server addressed {addressed!r}")
         private_from, private_keep = read_private_versions(msg.content)
-        rt = _runtime(cfg.model, cfg.preset, cfg.device, cfg.method)
+        rt = _runtime(cfg.model, cfg.preset, cfg.device, cfg.method, cfg.compile)
         store = PrivateStore(context, _client_dir(cfg) / client.client_id)
         m = get_method(cfg.method)
         opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
@@ -219,7 +231,8 @@ def _serve(grid: Grid, cfg: FlowerConfig, run: RunDir) -> None:
         raise ValueError(f"{m.name} pools every client's data in one trainer; run it in the simulator")
     opts = {**m.defaults, **cfg.options, "seed": cfg.seed}
     rounds = cfg.round_config()
-    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), preset(cfg.preset, m.regime))  # initial state
+    train = preset(cfg.preset, m.regime, compile=cfg.compile or None)  # what the nodes train with, recorded
+    rt = Runtime(load_base_model(cfg.model, device=cfg.device or None), train)  # initial state
     config = run_record(m, opts, rounds, rt.train, data=cfg.data, data_options=cfg.data_options, model=cfg.model,
                         clients_per_task=cfg.clients_per_task, device=str(rt.device), runtime="flower",
                         flower=asdict(cfg))

@@ -216,3 +216,29 @@ def test_nodes_and_server_see_the_simulators_split_and_per_task_sampling() -> No
     for r in range(4):  # one client of each task's two per round, the simulator's draw
         picked = select_clients(ours, sim, r)
         assert len(picked) == 2 and {c.rsplit("-", 1)[0] for c in picked} == {"sorting", "capitals"}
+
+
+def test_compile_in_the_run_config_compiles_every_nodes_layers(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    cache = tmp_path / "inductor"  # the nodes' processes inherit it: what they compile lands here
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    cfg = FlowerConfig.from_run_config({"method": "fedit", "data": "generated", "rounds": 1, "model": "tiny",
+                                        "preset": "tiny", "out": str(tmp_path / "flower"), "compile": "default",
+                                        "data-options": json.dumps(DATA_OPTIONS)})
+    flower = run_flower_simulation(cfg, num_clients=2)
+    local = RunDir(tmp_path / "local")  # eager, in-process
+    run_federated("fedit", generate_suite(**DATA_OPTIONS), tiny_llama(), local.root,
+                  SimConfig(rounds=1), preset("tiny"), data_spec="generated", data_options=DATA_OPTIONS)
+    assert flower.read_config()["train"]["compile"] == "default"
+    assert any(cache.rglob("*.py")), "no node compiled a graph"
+    a = load_file(str(flower.global_adapter / "adapter_model.safetensors"))
+    b = load_file(str(local.global_adapter / "adapter_model.safetensors"))
+    assert set(a) == set(b) and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4  # up to float order
+
+
+def test_the_run_configs_compile_is_checked_where_it_is_read() -> None:
+    with pytest.raises(ValueError, match="run config's compile.*'reduce-overhead' is not offered.*CUDA graphs"):
+        FlowerConfig(compile="reduce-overhead")
+    with pytest.raises(ValueError, match="run config's compile: compile mode must be one of default, max-autotune"):
+        FlowerConfig.from_run_config({"compile": "fast"})
+    assert FlowerConfig(compile="max-autotune").compile == "max-autotune"
