@@ -46,6 +46,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from adapters.dropout import lora_dropout
+
 
 @dataclass(frozen=True)
 class AMoLEOutput:
@@ -206,7 +208,7 @@ def amole_delta(
     counts = torch.bincount(flat_expert, minlength=E).tolist()
     x = h.index_select(0, token_of_pair)  # (N*k, d)
     if training and dropout_p > 0.0:
-        x = F.dropout(x, p=dropout_p, training=True)
+        x = lora_dropout(x, dropout_p)
     pieces = []
     start = 0
     for j, c in enumerate(counts):
@@ -289,10 +291,10 @@ def amole_forward(
             _route(expert_emb, F.linear(hf, P), top_k)
         lora_emb = expert_emb
         if dropping:
-            lora_emb = F.linear(F.dropout(hf, p=dropout_p, training=True), A_cat).view(-1, E, r)
+            lora_emb = F.linear(lora_dropout(hf, dropout_p), A_cat).view(-1, E, r)
         delta = amole_delta_dense(lora_emb, B, scaling, topk_idx, topk_w)  # (N, o)
     if shared_A is not None and shared_B is not None:
-        xs = F.dropout(hf, p=dropout_p, training=True) if dropping else hf
+        xs = lora_dropout(hf, dropout_p) if dropping else hf
         delta = delta + F.linear(F.linear(xs, shared_A), shared_B) * scaling
     out = base_out + delta.view(base_out.shape).to(base_out.dtype)
     return AMoLEOutput(out=out, gates_full=gates_full, topk_idx=topk_idx, topk_w=topk_w)

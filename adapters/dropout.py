@@ -12,10 +12,14 @@ full int64 range), compared against ``round(p * 2**32)``: a drop probability wit
 (``bernoulli_``'s float uniform resolves ``2**-24``). The draw is one opaque custom op, so a compiled layer
 calls it as it is and fuses the compare and the scaling into its own code. Every device takes this one
 path (its own generator draws the words), so eager and compiled layers, and the CPU and a GPU, share
-the same arithmetic.
+the same arithmetic. Every LoRA dropout of the project draws here: the dense adapters' (``LoraDropout``),
+the gathered (row, adapter) pairs' of a mixed batch (``lora_dropout_rows``) and AMoLE's experts'
+(``adapters.amole``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -69,6 +73,36 @@ def lora_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tens
         return x
     keep = random_words(x) >= drop_threshold(p)  # (..., d) bool
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def lora_dropout_rows(x: torch.Tensor, rates: Sequence[float], index: torch.Tensor) -> torch.Tensor:
+    """Inverted dropout of each row of ``x`` at its own rate: row ``i`` at ``rates[index[i]]``.
+
+    The gathered path of a multi-adapter layer (``adapters.layer``) stacks one input row per (row, adapter)
+    pair; each pair is dropped at its adapter's rate, from the same words and thresholds as
+    :func:`lora_dropout`.
+
+    Args:
+        x: (N, ...) the gathered adapter inputs.
+        rates: each adapter's drop probability, ``0 <= p < 1``.
+        index: (N,) long, row ``i``'s adapter in ``rates``.
+
+    Returns:
+        A tensor like ``x``; ``x`` itself when every rate is 0.
+
+    Raises:
+        ValueError: a rate outside ``[0, 1)``.
+    """
+    for p in rates:
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
+    if not any(rates):
+        return x
+    shape = (-1,) + (1,) * (x.dim() - 1)  # one value per leading row, broadcast over the rest
+    thresholds = torch.tensor([drop_threshold(p) for p in rates], dtype=torch.int64, device=x.device)[index]
+    scales = torch.tensor([1.0 / (1.0 - p) for p in rates], dtype=x.dtype, device=x.device)[index]
+    keep = random_words(x) >= thresholds.view(shape)  # (N, ...) bool
+    return x * keep.to(x.dtype) * scales.view(shape)
 
 
 class LoraDropout(nn.Module):

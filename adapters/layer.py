@@ -20,7 +20,7 @@ from torch import nn
 
 from adapters.config import AdapterError, LoraConfig
 from adapters.context import AdapterContext, AdapterWeights
-from adapters.dropout import LoraDropout
+from adapters.dropout import LoraDropout, lora_dropout_rows
 from adapters.functional import gathered_lora_delta, lora_delta, slot_usage, stack_padded, weight_column
 
 
@@ -269,11 +269,8 @@ class MultiLoraLinear(nn.Module):
         A_stack, B_stack = self._stacks(state, names, x.dtype)
         assert plan.rows is not None and plan.local is not None and plan.coef is not None
         xg = x.index_select(0, plan.rows)  # (N, T, d)
-        if self.training:
-            # Dropout per (row, adapter) pair, each with its adapter's own rate.
-            p = torch.tensor([self.adapters[n].config.dropout for n in names], device=x.device)[plan.local]
-            p = p.view(-1, 1, 1).to(x.dtype)
-            xg = xg * (torch.rand_like(xg) >= p).to(x.dtype) / (1 - p)
+        if self.training:  # a mask per (row, adapter) pair, each at its adapter's own rate
+            xg = lora_dropout_rows(xg, [self.adapters[n].config.dropout for n in names], plan.local)
         y = gathered_lora_delta(xg, A_stack, B_stack, plan.local, plan.coef)  # (N, T, o)
         return out.index_add(0, plan.rows, y.to(out.dtype))
 

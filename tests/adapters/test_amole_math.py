@@ -289,3 +289,20 @@ def test_vanilla_router_matches_naive(dropout: float) -> None:
     amole_forward(h, base, None, None, A, B, torch.randn(4, 12), 2.0, 2)  # AMoLE: the same shape is P (r, d)
     with pytest.raises(ValueError, match="one row per assigned expert"):
         amole_forward(h, base, None, None, A, B, torch.randn(4, 12), 2.0, 2, router="vanilla")
+
+
+@pytest.mark.parametrize("mode", ["per_expert", "per_token"])
+def test_expert_dropout_draws_the_lora_dropout_masks_compiled_or_not(mode: str) -> None:
+    """The experts' masks are :mod:`adapters.dropout`'s (one seed, the same masks eager and compiled, as the
+    plain adapters'); before, ``F.dropout`` let a compiled layer draw its own."""
+    A, B, P, sA, sB = make(4)
+    h, base = torch.randn(30, 12), torch.zeros(30, 10)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return amole_forward(x, base, sA, sB, A, B, P, 2.0, 2, 0.5, True, routed_dropout=mode).out  # type: ignore[arg-type]
+
+    torch.manual_seed(4)
+    eager = fn(h)
+    torch.manual_seed(4)
+    compiled = torch.compile(fn, dynamic=True)(h)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

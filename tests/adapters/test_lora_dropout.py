@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adapters import AdapterContext, LoraConfig
-from adapters.dropout import LoraDropout, drop_threshold, lora_dropout, random_words
+from adapters.dropout import LoraDropout, drop_threshold, lora_dropout, lora_dropout_rows, random_words
 from adapters.layer import MultiLoraLinear
 
 
@@ -115,3 +115,44 @@ def test_a_compiled_layer_draws_the_eager_masks_one_per_adapter() -> None:
         one_mask = layer.base_layer(x) + sum(
             (shared @ ad.lora_A.T) @ ad.lora_B.T * ad.scaling for ad in layer.adapters.values())
     assert not torch.allclose(eager_y, one_mask, atol=1e-3)
+
+
+def test_the_gathered_path_drops_each_pair_at_its_adapters_rate_and_compiles_to_the_eager_masks() -> None:
+    """Rows 0 and 2 use ``global`` (p = 0.5) only, row 1 ``local`` (p = 0) only: the layer gathers the pairs.
+    Before, this path drew ``torch.rand_like`` masks, which a compiled layer draws differently."""
+    layer = two_adapter_layer()
+    layer.adapters["local"].config = LoraConfig(r=4, alpha=8, dropout=0.0)
+    x = torch.randn(3, 9, 64)
+    weights = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+
+    def step(fn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(3)
+        layer.zero_grad()
+        with layer.context.use(("global", "local"), weights, trainable=("global", "local")):
+            y = fn(x)
+        y.pow(2).sum().backward()
+        return y.detach(), layer.adapters["global"].lora_A.grad.clone()  # type: ignore[union-attr]
+
+    eager_y, eager_grad = step(layer)
+    with torch.no_grad():
+        clean = {n: layer.base_layer(x) + (x @ ad.lora_A.T) @ ad.lora_B.T * ad.scaling
+                 for n, ad in layer.adapters.items()}
+    torch.testing.assert_close(eager_y[1], clean["local"][1])  # p = 0: nothing dropped
+    assert not torch.allclose(eager_y[0], clean["global"][0], atol=1e-3)  # p = 0.5: dropped
+    torch.manual_seed(3)  # the pairs (0, global), (1, local), (2, global) in row order, one draw
+    words = random_words(torch.empty(3, 9, 64))
+    kept = (words[[0, 2]] >= drop_threshold(0.5)).float() * 2.0
+    ad = layer.adapters["global"]
+    with torch.no_grad():
+        expected = layer.base_layer(x[[0, 2]]) + ((x[[0, 2]] * kept) @ ad.lora_A.T) @ ad.lora_B.T * ad.scaling
+    torch.testing.assert_close(eager_y[[0, 2]], expected)
+    compiled_y, compiled_grad = step(torch.compile(layer, dynamic=True))
+    torch.testing.assert_close(compiled_y, eager_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_grad, eager_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_per_row_rates_are_checked_and_all_zero_is_the_identity() -> None:
+    x = torch.randn(2, 5)
+    assert lora_dropout_rows(x, [0.0, 0.0], torch.tensor([0, 1])) is x
+    with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\), got 1.0"):
+        lora_dropout_rows(x, [0.1, 1.0], torch.tensor([0, 1]))
