@@ -110,13 +110,19 @@ REFUSED_COMPILE_MODES = {
 }
 
 
-def check_compile_mode(mode: str) -> None:
-    """Raise ``ValueError`` naming the problem unless ``mode`` is one of :data:`COMPILE_MODES`."""
+def check_compile_mode(mode: str, source: str = "") -> None:
+    """Raise ``ValueError`` naming the problem unless ``mode`` is one of :data:`COMPILE_MODES`.
+
+    Args:
+        mode: the mode to check.
+        source: what gave it, put before the error (e.g. ``the Flower run config's compile``).
+    """
+    prefix = f"{source}: " if source else ""
     if isinstance(mode, str) and mode in REFUSED_COMPILE_MODES:
-        raise ValueError(f"compile mode {mode!r} is not offered for training: {REFUSED_COMPILE_MODES[mode]}; "
-                         f"use one of {', '.join(COMPILE_MODES)}")
+        raise ValueError(f"{prefix}compile mode {mode!r} is not offered for training: "
+                         f"{REFUSED_COMPILE_MODES[mode]}; use one of {', '.join(COMPILE_MODES)}")
     if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+        raise ValueError(f"{prefix}compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
 
 def compile_decoder_layers(model: torch.nn.Module, mode: str = "default") -> int:

@@ -107,10 +107,7 @@ class FlowerConfig:
         if self.device:
             settings.check_device_spec(self.device, "the Flower run config's device")
         if self.compile:
-            try:
-                check_compile_mode(self.compile)
-            except ValueError as exc:
-                raise ValueError(f"the Flower run config's compile: {exc}") from None
+            check_compile_mode(self.compile, "the Flower run config's compile")
 
     def round_config(self) -> RoundConfig:
         """The round loop's part of these settings (the simulator's client selection)."""

@@ -90,10 +90,7 @@ class TrainConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.compile is not None:
-            try:
-                check_compile_mode(self.compile)
-            except ValueError as exc:
-                raise ValueError(f"TrainConfig.compile must be None or a compile mode: {exc}") from None
+            check_compile_mode(self.compile, "TrainConfig.compile must be None or a compile mode")
         if not 0 < self.round_decay <= 1:
             raise ValueError(f"TrainConfig.round_decay must be in (0, 1], got {self.round_decay}")
 
