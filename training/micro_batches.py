@@ -10,8 +10,9 @@ padding is least (:func:`plan_groups`). Each row carries the weight its tokens h
 plain split's up to float summation order. LoRA dropout draws its masks per forward, so with dropout on
 the masks fall on other tokens (the same distribution).
 
-On the CPU a forward costs about its padded tokens, so a step may run as more, smaller forwards; on an
-accelerator a forward has a large fixed cost, so the number of forwards stays the plain split's.
+On the CPU a forward's fixed cost is worth tens of padded tokens (``CPU_FORWARD_TOKENS``), so a step runs as
+more, smaller forwards only where they save more padding than that; on an accelerator a small batch's step
+waits on the host, so the number of forwards stays the plain split's.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import torch
 from training.data import IGNORE, Example, collate
 from training.lm_forward import WEIGHT_KEY
 
-# A forward's fixed cost on the CPU in padded-token equivalents (Python and per-layer kernel overheads, a few
-# milliseconds, against several milliseconds a trained SmolLM2 token on 2 cores): a split is made only where
-# it saves more padding than this.
-CPU_FORWARD_TOKENS = 16
+# A forward's fixed cost on the CPU in padded-token equivalents: a split is made only where it saves more
+# padding than this. Measured, not derived: a training forward and backward of a few rows costs a floor
+# worth tens of tokens (small GEMMs run far below the CPU's rate), which ``bench/forward_cost.py`` fits on a
+# machine, and where it times plans made with other values (bench/HISTORY.md).
+CPU_FORWARD_TOKENS = 64
 
 
 def plan_groups(lengths: Sequence[int], max_rows: int, groups: int | None, forward_cost: int = 0) -> list[list[int]]:

@@ -122,3 +122,19 @@ def test_groups_are_tried_in_every_order() -> None:
         lengths = [[4, 9, 2, 7, 7][i] for i in perm]
         plan = plan_groups(lengths, 2, 3)
         assert sorted(_padded(lengths, [g]) for g in plan) == [8, 9, 14]  # (2, 4) (9) (7, 7)
+
+
+def test_the_cpu_splits_a_step_only_where_the_padding_saved_pays_for_a_forward() -> None:
+    # one 30-token row among three of 10: splitting it off saves 60 padded tokens, less than a CPU forward's
+    # fixed cost (bench/forward_cost.py: about 75 tokens for SmolLM2 on 2 cores), so the step stays one forward
+    gen = torch.Generator().manual_seed(3)
+    exs = []
+    for n in (10, 30, 10, 10):
+        ids = torch.randint(3, 500, (n,), generator=gen).tolist()
+        exs.append(Example(tuple(ids), tuple([IGNORE] * (n // 2) + ids[n // 2:])))
+    assert len(step_batches(exs, 4, pad_id=2, device=torch.device("cpu"), by_length=True)) == 1
+    # a 90-token row among them saves 240: worth its own forward
+    long = torch.randint(3, 500, (90,), generator=gen).tolist()
+    exs[1] = Example(tuple(long), tuple([IGNORE] * 45 + long[45:]))
+    assert [len(b["input_ids"]) for b in step_batches(exs, 4, pad_id=2, device=torch.device("cpu"),
+                                                      by_length=True)] == [3, 1]
