@@ -21,18 +21,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from models import LoadedModel, load_base_model
 from models.settings import DEVICE_HELP, DTYPES, device_option
-from training.data import IGNORE, Example, collate, generate_suite, load_dataset
+from training.data import IGNORE, DataError, collate, generate_suite, load_dataset
 from training.lm_forward import lm_forward
+from training.local_train import step_draws
 from training.micro_batches import CPU_FORWARD_TOKENS, plan_groups
 from training.runtime import Runtime, preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from a file
+
+from plain_peft import sync  # noqa: E402
 
 SHAPES = ((1, 16), (1, 32), (1, 64), (1, 128), (2, 64), (4, 64), (8, 64), (8, 128))
 
@@ -44,17 +51,12 @@ def _train(rt: Runtime, batch: dict[str, torch.Tensor]) -> None:
         out.loss.backward()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(rt: Runtime, batches: Sequence[dict[str, torch.Tensor]]) -> float:
-    _sync(rt.device)
+    sync(rt.device)
     start = time.perf_counter()
     for batch in batches:
         _train(rt, batch)
-    _sync(rt.device)
+    sync(rt.device)
     return time.perf_counter() - start
 
 
@@ -79,19 +81,6 @@ def fit(rt: Runtime, repeats: int = 3) -> dict[str, object]:
             "fixed_in_tokens": round(float(fixed / per_token), 1)}
 
 
-def _steps(examples: Sequence[Example], batch: int, steps: int, seed: int) -> list[list[Example]]:
-    """The first ``steps`` steps of a local run's shuffle (as ``training.local_train`` draws them)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    order: list[int] = []
-    out = []
-    for _ in range(steps):
-        if len(order) < batch:
-            order += torch.randperm(len(examples), generator=gen, device="cpu").tolist()
-        idx, order = order[:batch], order[batch:]
-        out.append([examples[i] for i in idx])
-    return out
-
-
 def plans(rt: Runtime, clients: Sequence, costs: Sequence[int], batch: int, micro: int, steps: int,
           seed: int) -> dict[str, dict[str, float]]:
     """Each cost's seconds, forwards and padded tokens over the clients' first ``steps`` steps."""
@@ -99,7 +88,9 @@ def plans(rt: Runtime, clients: Sequence, costs: Sequence[int], batch: int, micr
     totals = {c: {"seconds": 0.0, "forwards": 0, "padded_tokens": 0} for c in costs}
     k = 0
     for client in clients:
-        for step in _steps(rt.examples(client), batch, steps, seed):
+        examples = rt.examples(client)
+        draws = step_draws(len(examples), batch, seed)  # the steps a local run draws, as the trainer draws them
+        for step in ([examples[i] for i in next(draws)] for _ in range(steps)):
             order = list(costs) if k % 2 == 0 else list(reversed(costs))
             k += 1
             for cost in order:
@@ -114,7 +105,10 @@ def plans(rt: Runtime, clients: Sequence, costs: Sequence[int], batch: int, micr
 
 
 def _costs(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
     if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"--costs must be distinct integers >= 0, comma-separated, got {text!r}")
     return values
@@ -141,13 +135,16 @@ def main() -> None:
     for name in ("clients", "steps", "batch", "micro_batch", "cutoff"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:  # the data first: a wrong name fails before the model loads
+        generated = args.data == "generated"
+        suite = generate_suite(seed=args.seed, n_train=64, n_test=1) if generated else load_dataset(args.data)
+    except DataError as exc:
+        parser.error(f"--data: {exc}")
     loaded: LoadedModel = load_base_model(args.model, dtype=args.dtype, device=args.device)
     train = preset("small", batch_size=args.batch, micro_batch_size=args.micro_batch, cutoff_len=args.cutoff)
     rt = Runtime(loaded, train)
     rt.adapted.set_trainable(("global",))
     rt.model.train()
-    generated = args.data == "generated"
-    suite = generate_suite(seed=args.seed, n_train=64, n_test=1) if generated else load_dataset(args.data)
     clients = list(suite.clients[: args.clients])
     figures = {"benchmark": "forward_cost", "model": args.model, "device": str(rt.device), "dtype": loaded.dtype,
                "threads": torch.get_num_threads(), "data": args.data, "clients": len(clients), "steps": args.steps,

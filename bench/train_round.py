@@ -65,6 +65,7 @@ from models.loaded import COMPILE_MODES, compile_decoder_layers, frozen
 from models.settings import DEVICE_HELP, DTYPES, device_option, resolve_device
 from training.algorithms import get_method
 from training.data import Example, generate_suite, load_dataset
+from training.local_train import step_draws
 from training.micro_batches import step_batches
 from training.protocol import ClientContext, derive_seed
 from training.runtime import Runtime, TrainConfig, preset
@@ -118,14 +119,11 @@ def drawn_work(examples: Sequence[Example], train: TrainConfig, seed: int, pad_i
     """Real and padded tokens of the examples a local run with ``seed`` draws: the trainer's shuffle and its
     micro-batches replayed (:func:`training.micro_batches.step_batches`; ``by_length``: the LM loss's length
     grouping, else the plain split in draw order, as the plain loop runs it)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     total = train.max_steps or math.ceil(len(examples) / train.batch_size) * train.local_epochs
-    order: list[int] = []
+    draws = step_draws(len(examples), train.batch_size, seed)
     tokens = padded = 0
     for _ in range(total):
-        if len(order) < train.batch_size:
-            order += torch.randperm(len(examples), generator=gen, device="cpu").tolist()
-        idx, order = order[: train.batch_size], order[train.batch_size:]
+        idx = next(draws)
         tokens += sum(len(examples[i].input_ids) for i in idx)
         batches = step_batches([examples[i] for i in idx], train.micro_batch_size, pad_id, device, by_length)
         padded += sum(int(b["input_ids"].numel()) for b in batches)

@@ -17,7 +17,7 @@ which adapters are on, ``trainable`` which of them get gradients (FedDPA-T's fro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -104,6 +104,21 @@ def _optimizer(runtime: Runtime, params: list[torch.nn.Parameter], lr: float) ->
     return torch.optim.SGD(params, lr=lr)
 
 
+def step_draws(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """The example indices of each optimizer step of a local run over ``n`` examples, endlessly.
+
+    Epochs of a shuffle seeded with ``seed`` (a CPU generator: the same order on every device), cut
+    ``batch_size`` at a time; a step may take the end of one epoch and the start of the next.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            order += torch.randperm(n, generator=gen, device="cpu").tolist()
+        idx, order = order[:batch_size], order[batch_size:]
+        yield idx
+
+
 def train_adapters(
     runtime: Runtime,
     examples: Sequence[Example],
@@ -134,7 +149,7 @@ def train_adapters(
     if not examples:
         raise ValueError("cannot train on zero examples")
     torch.manual_seed(seed)  # dropout masks: the default generator of the model's device (CUDA's is seeded too)
-    gen = torch.Generator(device="cpu").manual_seed(seed)  # the shuffle: the same order on every device
+    draws = step_draws(len(examples), cfg.batch_size, seed)
     total = run_steps(len(examples), cfg.batch_size, cfg.local_epochs, cfg.max_steps)
     adapted = runtime.adapted
     adapted.set_trainable(trainable)
@@ -150,14 +165,11 @@ def train_adapters(
     grouped = bool(getattr(loss_fn, "length_grouped", False))
     losses: list[torch.Tensor] = []  # per step, on the device; read one step late so a GPU never idles
     extras: dict[str, list[float]] = {}
-    order: list[int] = []
     runtime.model.train()
     bar = tqdm(total=total, desc=desc, leave=False, unit="step")
     try:
         for _ in range(total):
-            if len(order) < cfg.batch_size:
-                order += torch.randperm(len(examples), generator=gen, device="cpu").tolist()
-            idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
+            idx = next(draws)
             opt.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
             batches = step_batches([examples[i] for i in idx], cfg.micro_batch_size, pad, device, grouped,
