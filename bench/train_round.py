@@ -35,6 +35,11 @@ windows dodges more of a shared machine's swings than one over long ones); with 
 to steps x batch every phase trains on the same examples, so it compares the same work (target <= 1.05,
 the issue's 2.1x over two). ``times_s`` lists every repeat.
 
+``matmul_gflop`` counts what FedIT's and the plain loop's matrix products compute (``bench/step_flops.py``:
+linears, head and LoRA forward and backward, attention apart), ``matmul_gflop_per_s`` the rate each loop
+reached, and ``plain_over_fedit_matmul_flops`` their ratio: on a device where the products set the time
+(a CPU), the most FedIT can gain over the plain loop by computing less (compare ``1 / fedit_over_plain``).
+
 Prints one JSON object with the times and the ``fedit_over_plain`` and ``feddpa_t_over_fedit`` ratios,
 each the minimum over ``--repeats`` interleaved runs (the least disturbed by other work on a shared
 CPU), and the 1-minute load average to judge that. Both loops run on ``--device`` (default: the
@@ -49,8 +54,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
+import operator
 import os
 import platform
 import sys
@@ -73,6 +80,7 @@ from training.runtime import Runtime, TrainConfig, preset
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from a file
 
 from plain_peft import as_transformers_loads_it, peft_model, plain_peft_round, sync  # noqa: E402
+from step_flops import DecoderShape, step_flops  # noqa: E402
 
 
 def _load(model: str, device: str | None, dtype: str | None, random: str | None = None) -> LoadedModel:
@@ -114,20 +122,35 @@ def two_rounds(runtime: Runtime, clients: Sequence, seed: int) -> tuple[float, l
     return first + second, losses
 
 
-def drawn_work(examples: Sequence[Example], train: TrainConfig, seed: int, pad_id: int, device: torch.device,
-               by_length: bool = True) -> tuple[int, int]:
-    """Real and padded tokens of the examples a local run with ``seed`` draws: the trainer's shuffle and its
-    micro-batches replayed (:func:`training.micro_batches.step_batches`; ``by_length``: the LM loss's length
-    grouping, else the plain split in draw order, as the plain loop runs it)."""
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What a loop's forwards compute: real and padded tokens, and matmul FLOPs (``bench/step_flops.py``)."""
+
+    tokens: int
+    padded: int
+    flops: dict[str, int]
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.tokens + other.tokens, self.padded + other.padded,
+                    {k: v + other.flops[k] for k, v in self.flops.items()})
+
+
+def drawn_work(examples: Sequence[Example], train: TrainConfig, seed: int, pad_id: int, shape: DecoderShape,
+               device: torch.device, by_length: bool = True) -> Work:
+    """The work of the examples a local run with ``seed`` draws: the trainer's shuffle and its micro-batches
+    replayed (:func:`training.micro_batches.step_batches`). ``by_length``: our loss's (length-grouped
+    micro-batches, the head on the labelled positions); False: the plain loop's (the plain split in draw
+    order, the head on every position)."""
     total = train.max_steps or math.ceil(len(examples) / train.batch_size) * train.local_epochs
     draws = step_draws(len(examples), train.batch_size, seed)
     tokens = padded = 0
+    batches = []
     for _ in range(total):
         idx = next(draws)
         tokens += sum(len(examples[i].input_ids) for i in idx)
-        batches = step_batches([examples[i] for i in idx], train.micro_batch_size, pad_id, device, by_length)
-        padded += sum(int(b["input_ids"].numel()) for b in batches)
-    return tokens, padded
+        batches += step_batches([examples[i] for i in idx], train.micro_batch_size, pad_id, device, by_length)
+    padded = sum(int(b["input_ids"].numel()) for b in batches)
+    return Work(tokens, padded, step_flops(shape, batches, train.lora, "labelled" if by_length else "all"))
 
 
 def _clients(data: str, seed: int, n_train: int, count: int, keep: int | None = None) -> list:
@@ -238,15 +261,17 @@ def main() -> None:
     fedit, feddpa_t, plain, twice = (min(times[k]) for k in ("fedit", "feddpa_t", "plain", "fedit_twice"))
     # what each round trains on: FedIT and the plain loop one pass per client, FedDPA-T two (local, global);
     # (real, padded) tokens, the padded ones what the forwards compute (length-grouped in ours)
-    def work(round_idx: int, phase: str, by_length: bool = True) -> tuple[int, int]:
-        pairs = [drawn_work(examples[c.client_id], train, derive_seed(args.seed, round_idx, c.client_id, phase),
-                            ours.tokenizer.pad_token_id, ours.device, by_length) for c in clients]
-        return sum(t for t, _ in pairs), sum(p for _, p in pairs)
+    shape = DecoderShape.of(ours.loaded.model.config)
 
-    global_tokens, fedit_padded = work(0, "global")
-    plain_padded = work(0, "global", by_length=False)[1]
+    def work(round_idx: int, phase: str, by_length: bool = True) -> Work:
+        seeds = [derive_seed(args.seed, round_idx, c.client_id, phase) for c in clients]
+        return functools.reduce(operator.add, (
+            drawn_work(examples[c.client_id], train, seed, ours.tokenizer.pad_token_id, shape, ours.device, by_length)
+            for c, seed in zip(clients, seeds, strict=True)))
+
+    fedit_work, plain_work = work(0, "global"), work(0, "global", by_length=False)
     local_work, global_work = work(1, "local"), work(1, "global")
-    dpa_tokens, dpa_padded = local_work[0] + global_work[0], local_work[1] + global_work[1]
+    dpa_work = local_work + global_work
     if args.profile:
         _profile(ours, clients, args.seed, args.profile)
     lengths = [len(e.input_ids) for exs in examples.values() for e in exs]
@@ -278,15 +303,22 @@ def main() -> None:
         "feddpa_t_over_fedit": round(feddpa_t / fedit, 3),
         # FedDPA-T's local phase draws other examples than its global phase (FedIT's work): its round's
         # time per padded token, over FedIT's, times two (the same work in each phase)
-        "feddpa_t_over_fedit_equal_work": round(2 * (feddpa_t / dpa_padded) / (fedit / fedit_padded), 3),
+        "feddpa_t_over_fedit_equal_work": round(2 * (feddpa_t / dpa_work.padded) / (fedit / fedit_work.padded), 3),
         # the same window length as FedDPA-T's round, so the same exposure to a shared machine's swings
         "feddpa_t_over_two_fedit_rounds": round(feddpa_t / twice, 3),
         "times_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
-        "padded_tokens": {"plain": plain_padded, "fedit": fedit_padded, "feddpa_t_local": local_work[1],
-                          "feddpa_t_global": global_work[1]},
-        "plain_tokens_per_s": round(global_tokens / plain, 1),
-        "fedit_tokens_per_s": round(global_tokens / fedit, 1),
-        "feddpa_t_tokens_per_s": round(dpa_tokens / feddpa_t, 1),
+        "padded_tokens": {"plain": plain_work.padded, "fedit": fedit_work.padded,
+                          "feddpa_t_local": local_work.padded, "feddpa_t_global": global_work.padded},
+        "plain_tokens_per_s": round(fedit_work.tokens / plain, 1),
+        "fedit_tokens_per_s": round(fedit_work.tokens / fedit, 1),
+        "feddpa_t_tokens_per_s": round(dpa_work.tokens / feddpa_t, 1),
+        # what each loop's matmuls compute, and at what rate: where they set the time, the plain loop's
+        # FLOPs over ours bound what FedIT can gain (1 / fedit_over_plain)
+        "matmul_gflop": {name: {k: round(v / 1e9, 1) for k, v in w.flops.items()}
+                         for name, w in (("plain", plain_work), ("fedit", fedit_work))},
+        "plain_over_fedit_matmul_flops": round(sum(plain_work.flops.values()) / sum(fedit_work.flops.values()), 3),
+        "matmul_gflop_per_s": {"plain": round(sum(plain_work.flops.values()) / plain / 1e9, 1),
+                               "fedit": round(sum(fedit_work.flops.values()) / fedit / 1e9, 1)},
         "plain_loss": [round(v, 6) for v in losses["plain"]],
         "fedit_loss": [round(v, 6) for v in losses["fedit"]],
         "loss_max_abs_diff": round(max(abs(a - b) for a, b in zip(losses["plain"], losses["fedit"], strict=True)), 7),
