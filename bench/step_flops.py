@@ -13,14 +13,17 @@ for a Llama-style decoder whose base weights are frozen and whose LoRA (issue 47
 * attention's two products (scores and their mix of values), dense over T x T, forward and backward
   (torch's ``FlopCounterMode`` does not see the CPU's fused attention kernel, so it is counted apart).
 
-``tests/training/test_train_round_bench.py`` checks the linear count against ``FlopCounterMode`` on the
-trainer's and the plain loop's real forwards.
+:func:`embed_flops` counts the calibration stage's instance embeddings the same way (forward only, the
+decoder without its head, length-sorted batches as ``routing.embedding.embed_prompts`` forms them).
+
+``tests/training/test_train_round_bench.py`` checks the linear counts against ``FlopCounterMode`` on the
+trainer's, the plain loop's and ``embed_prompts``'s real forwards.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -100,4 +103,25 @@ def step_flops(shape: DecoderShape, batches: Iterable[dict[str, torch.Tensor]], 
         head_rows = int((batch["labels"][:, 1:] != IGNORE).sum()) if head == "labelled" else rows * length
         linear += per_token * rows * length + 4 * shape.vocab * shape.hidden * head_rows
         attention += 12 * rows * length * length * shape.q_dim * shape.layers  # QK^T and PV: 4 forward, 8 back
+    return {"linear": linear, "attention": attention}
+
+
+def embed_flops(shape: DecoderShape, lengths: Sequence[int], lora: LoraConfig, batch_size: int = 16) -> dict[str, int]:
+    """Matmul FLOPs of embedding prompts of these token ``lengths`` with one adapter on (no gradient, no head).
+
+    The prompts are batched as ``routing.embedding.embed_prompts`` batches them: sorted by length,
+    ``batch_size`` a forward, each padded to its longest.
+
+    Returns:
+        ``linear`` (frozen linears and LoRA, forward) and ``attention`` FLOPs.
+    """
+    dims, adapted = shape.dims(), _adapted(lora)
+    per_token = shape.layers * sum(2 * i * o + (2 * lora.r * (i + o) if name in adapted else 0)
+                                   for name, (i, o) in dims.items())
+    order = sorted(lengths)
+    linear = attention = 0
+    for start in range(0, len(order), batch_size):
+        rows, length = len(order[start:start + batch_size]), max(order[start:start + batch_size])
+        linear += per_token * rows * length
+        attention += 4 * rows * length * length * shape.q_dim * shape.layers  # QK^T and PV, forward
     return {"linear": linear, "attention": attention}
