@@ -17,7 +17,8 @@ for a Llama-style decoder whose base weights are frozen and whose LoRA (issue 47
 decoder without its head, length-sorted batches as ``routing.embedding.embed_prompts`` forms them).
 
 ``tests/training/test_train_round_bench.py`` checks the linear counts against ``FlopCounterMode`` on the
-trainer's, the plain loop's and ``embed_prompts``'s real forwards.
+trainer's and the plain loop's real forwards, ``tests/routing/test_calibration_stage_bench.py`` on
+``embed_prompts``'s.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class DecoderShape:
 
 
 def _adapted(lora: LoraConfig) -> set[str]:
-    # suffix match, as the injection's (adapters.config)
-    return {name for name in ORDER if any(name.endswith(t) or t.endswith(name) for t in lora.target_modules)}
+    # a module's last name component, as the injection matches them (adapters.inject)
+    return {name for name in ORDER if name in lora.target_modules}
 
 
 def _first_layer_needs_input_grad(adapted: set[str]) -> dict[str, bool]:

@@ -143,8 +143,7 @@ def drawn_work(examples: Sequence[Example], train: TrainConfig, seed: int, pad_i
     order, the head on every position)."""
     total = train.max_steps or math.ceil(len(examples) / train.batch_size) * train.local_epochs
     draws = step_draws(len(examples), train.batch_size, seed)
-    tokens = padded = 0
-    batches = []
+    tokens, batches = 0, []
     for _ in range(total):
         idx = next(draws)
         tokens += sum(len(examples[i].input_ids) for i in idx)
