@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import load_base_model
+from models import ModelError, load_base_model
 from models.settings import DEVICE_HELP, DTYPES, device_option
 from routing.cache import EmbeddingIndex
 from training.data import ClientData, DataError, load_dataset
@@ -107,9 +107,14 @@ def main() -> None:
         clients = load_dataset(args.data).clients[:args.clients]
     except DataError as exc:
         parser.error(f"--data {args.data}: {exc}")
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)  # type: ignore[arg-type]
+    try:
+        loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)  # type: ignore[arg-type]
+    except ModelError as exc:
+        parser.error(f"--model: {exc}")
     rt = Runtime(loaded, preset("small"))
     random_global(rt, args.seed)
     shape = DecoderShape.of(loaded.model.config)

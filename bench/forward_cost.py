@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import LoadedModel, load_base_model
+from models import LoadedModel, ModelError, load_base_model
 from models.settings import DEVICE_HELP, DTYPES, device_option
 from training.data import IGNORE, DataError, collate, generate_suite, load_dataset
 from training.lm_forward import lm_forward
@@ -130,8 +130,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     for name in ("clients", "steps", "batch", "micro_batch", "cutoff"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -140,7 +138,14 @@ def main() -> None:
         suite = generate_suite(seed=args.seed, n_train=64, n_test=1) if generated else load_dataset(args.data)
     except DataError as exc:
         parser.error(f"--data: {exc}")
-    loaded: LoadedModel = load_base_model(args.model, dtype=args.dtype, device=args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        loaded: LoadedModel = load_base_model(args.model, dtype=args.dtype, device=args.device)
+    except ModelError as exc:
+        parser.error(f"--model: {exc}")
     train = preset("small", batch_size=args.batch, micro_batch_size=args.micro_batch, cutoff_len=args.cutoff)
     rt = Runtime(loaded, train)
     rt.adapted.set_trainable(("global",))

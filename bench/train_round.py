@@ -67,7 +67,7 @@ from pathlib import Path
 
 import torch
 
-from models import LoadedModel, load_base_model
+from models import LoadedModel, ModelError, load_base_model
 from models.loaded import COMPILE_MODES, compile_decoder_layers, frozen
 from models.settings import DEVICE_HELP, DTYPES, device_option, resolve_device
 from training.algorithms import get_method
@@ -213,7 +213,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 keeps the ratios stable when another job shares the CPU)")
     args = parser.parse_args()
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.train_examples is not None and args.train_examples < 1:
         parser.error(f"--train-examples must be >= 1, got {args.train_examples}")
@@ -226,7 +228,10 @@ def main() -> None:
     train = dataclasses.replace(train, lora=dataclasses.replace(train.lora, dropout=args.lora_dropout),
                                 compile=args.compile)
     clients = _clients(args.data, args.seed, max(args.batch * 2, 8), args.clients, args.train_examples)
-    ours = Runtime(_load(args.model, args.device, args.dtype, args.random), train)
+    try:
+        ours = Runtime(_load(args.model, args.device, args.dtype, args.random), train)
+    except ModelError as exc:
+        parser.error(f"--model: {exc}")
     examples = {c.client_id: ours.examples(c) for c in clients}
     # Warm-up: first forward/backward pays one-off allocation and kernel selection costs (and compilation:
     # FedDPA-T's two-adapter forwards are variants of their own).
