@@ -2,7 +2,8 @@
 
 ``bench/train_round.py`` times FedIT against a plain PEFT loop; this counts what each has to compute, so the
 ratio of the counts is the most one loop can gain over the other where matrix products set the time (a
-CPU: ``aten::mm`` is 50-80 % of a profiled step). Counted per micro-batch of B rows padded to T tokens,
+CPU: ``aten::mm`` is 50-80 % of a profiled step). Counted per micro-batch of B rows padded to T tokens (a
+packed one, ``training.packing``: its N real tokens, attention over its examples padded to the longest),
 for a Llama-style decoder whose base weights are frozen and whose LoRA (issue 47's loops) trains:
 
 * the frozen linears: the forward, and in the backward only the input gradient (a frozen weight takes no
@@ -31,6 +32,7 @@ import torch
 
 from adapters import LoraConfig
 from training.data import IGNORE
+from training.packing import PACK_KEY
 
 HeadRows = Literal["labelled", "all"]
 # a decoder layer's linears, each with the linears whose output its input depends on within the layer: q, k
@@ -82,7 +84,8 @@ def step_flops(shape: DecoderShape, batches: Iterable[dict[str, torch.Tensor]], 
 
     Args:
         shape: the model's shapes.
-        batches: collated micro-batches (``input_ids`` (B, T), ``labels`` (B, T)).
+        batches: collated micro-batches (``input_ids`` (B, T), ``labels`` (B, T)) or packed ones
+            (``input_ids`` and ``targets`` (1, N), their ``pack`` saying where the B examples lie).
         lora: the trained LoRA (rank and target modules).
         head: ``labelled``: the head runs on the labelled positions only (ours); ``all``: on every one.
 
@@ -100,9 +103,16 @@ def step_flops(shape: DecoderShape, batches: Iterable[dict[str, torch.Tensor]], 
                 per_token += 2 * lora.r * (3 * (i + o) - (0 if grad_in else i))
     linear = attention = 0
     for batch in batches:
-        rows, length = batch["input_ids"].shape
-        head_rows = int((batch["labels"][:, 1:] != IGNORE).sum()) if head == "labelled" else rows * length
-        linear += per_token * rows * length + 4 * shape.vocab * shape.hidden * head_rows
+        tokens = int(batch["input_ids"].numel())
+        pack = batch.get(PACK_KEY)
+        if pack is not None:  # attention runs on the examples padded to the longest, (B, T)
+            rows, length = pack.gather.shape
+            labelled = int((batch["targets"] != IGNORE).sum())
+        else:
+            rows, length = batch["input_ids"].shape
+            labelled = int((batch["labels"][:, 1:] != IGNORE).sum())
+        head_rows = labelled if head == "labelled" else tokens
+        linear += per_token * tokens + 4 * shape.vocab * shape.hidden * head_rows
         attention += 12 * rows * length * length * shape.q_dim * shape.layers  # QK^T and PV: 4 forward, 8 back
     return {"linear": linear, "attention": attention}
 

@@ -73,7 +73,7 @@ from models.settings import DEVICE_HELP, DTYPES, device_option, resolve_device
 from training.algorithms import get_method
 from training.data import Example, generate_suite, load_dataset
 from training.local_train import step_draws
-from training.micro_batches import step_batches
+from training.micro_batches import packs, step_batches
 from training.protocol import ClientContext, derive_seed
 from training.runtime import Runtime, TrainConfig, preset
 
@@ -136,18 +136,19 @@ class Work:
 
 
 def drawn_work(examples: Sequence[Example], train: TrainConfig, seed: int, pad_id: int, shape: DecoderShape,
-               device: torch.device, by_length: bool = True) -> Work:
+               device: torch.device, by_length: bool = True, packed: bool = False) -> Work:
     """The work of the examples a local run with ``seed`` draws: the trainer's shuffle and its micro-batches
     replayed (:func:`training.micro_batches.step_batches`). ``by_length``: our loss's (length-grouped
-    micro-batches, the head on the labelled positions); False: the plain loop's (the plain split in draw
-    order, the head on every position)."""
+    micro-batches, or with ``packed`` the plain split packed, the head on the labelled positions); False:
+    the plain loop's (the plain split in draw order, the head on every position)."""
     total = train.max_steps or math.ceil(len(examples) / train.batch_size) * train.local_epochs
     draws = step_draws(len(examples), train.batch_size, seed)
     tokens, batches = 0, []
     for _ in range(total):
         idx = next(draws)
         tokens += sum(len(examples[i].input_ids) for i in idx)
-        batches += step_batches([examples[i] for i in idx], train.micro_batch_size, pad_id, device, by_length)
+        batches += step_batches([examples[i] for i in idx], train.micro_batch_size, pad_id, device, by_length,
+                                packed=packed and by_length)
     padded = sum(int(b["input_ids"].numel()) for b in batches)
     return Work(tokens, padded, step_flops(shape, batches, train.lora, "labelled" if by_length else "all"))
 
@@ -270,7 +271,8 @@ def main() -> None:
     def work(round_idx: int, phase: str, by_length: bool = True) -> Work:
         seeds = [derive_seed(args.seed, round_idx, c.client_id, phase) for c in clients]
         return functools.reduce(operator.add, (
-            drawn_work(examples[c.client_id], train, seed, ours.tokenizer.pad_token_id, shape, ours.device, by_length)
+            drawn_work(examples[c.client_id], train, seed, ours.tokenizer.pad_token_id, shape, ours.device, by_length,
+                       packed=packs(ours.device, ours.model))
             for c, seed in zip(clients, seeds, strict=True)))
 
     fedit_work, plain_work = work(0, "global"), work(0, "global", by_length=False)

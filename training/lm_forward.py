@@ -10,20 +10,21 @@ full forward's up to float summation order (tests/training/test_lm_forward.py).
 
 A batch may carry ``loss_weight`` (B,): the loss is then ``sum_t w[row(t)] * CE_t`` over the labelled
 tokens instead of their mean, which lets the trainer regroup a step's examples by length and keep every
-token's weight (:mod:`training.local_train`).
+token's weight (:mod:`training.local_train`). A packed batch (:mod:`training.packing`: a micro-batch's
+examples end to end in one row, no padding) gives the mean over its labelled tokens, as the same examples
+padded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from training.data import IGNORE
+from training.packing import PACK_KEY, PLAIN_HEAD, packable, packed_states, plain_head
 
-# Model types whose ForCausalLM forward is ``lm_head(last_hidden_state)`` with nothing after it (no logit
-# soft-capping or scaling): their head can run on the gathered rows. Others take the full forward.
-PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 WEIGHT_KEY = "loss_weight"
 
 
@@ -62,27 +63,24 @@ def label_loss(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
     return (ce * weight.to(ce.device, torch.float32)[rows]).sum()
 
 
-def _plain_head(model: torch.nn.Module) -> bool:
-    head = getattr(model, "lm_head", None)
-    return (getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEAD
-            and type(head) is torch.nn.Linear and hasattr(model, "model"))
-
-
-def lm_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], with_loss: bool = True) -> LMOutput:
-    """Run ``model`` on a collated batch: final-layer states, and the LM loss on the labelled positions.
+def lm_forward(model: torch.nn.Module, batch: dict[str, Any], with_loss: bool = True) -> LMOutput:
+    """Run ``model`` on a collated or packed batch: final-layer states, and the LM loss on the labelled positions.
 
     Args:
         model: an HF causal LM (adapters, if any, set on their context by the caller).
         batch: ``input_ids``, ``attention_mask`` (B, T); ``labels`` (B, T) when ``with_loss``; optional
-            ``loss_weight`` (B,).
+            ``loss_weight`` (B,). Or a packed row (:func:`training.packing.pack`, a :func:`packable` model):
+            ``input_ids``, ``position_ids``, ``targets`` (1, N) and its ``pack``.
         with_loss: compute the loss (False: the states only, the head never runs on the plain path).
 
     Returns:
-        The loss (None without ``with_loss``) and the (B, T, H) final-layer states.
+        The loss (None without ``with_loss``) and the (B, T, H) final-layer states ((1, N, H) packed).
     """
+    if PACK_KEY in batch:
+        return _packed(model, batch, with_loss)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     weight = batch.get(WEIGHT_KEY)
-    if not _plain_head(model):
+    if not plain_head(model):
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
         hidden, logits = out.hidden_states[-1], out.logits  # (B, T, H), (B, T, V)
     else:
@@ -98,3 +96,17 @@ def lm_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], with_loss
     else:
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat)
     return LMOutput(label_loss(logits, targets.index_select(0, flat), rows, weight), hidden)
+
+
+def _packed(model: torch.nn.Module, batch: dict[str, Any], with_loss: bool) -> LMOutput:
+    """A packed row's forward: the mean loss over its labelled tokens, as its examples' padded micro-batch's."""
+    if not packable(model):
+        raise ValueError(f"a packed batch needs a Llama-layout model without a sliding window "
+                         f"({sorted(PLAIN_HEAD)}), got {getattr(model.config, 'model_type', type(model).__name__)}")
+    hidden = packed_states(model, batch)  # (1, N, H)
+    if not with_loss:
+        return LMOutput(None, hidden)
+    targets = batch["targets"].reshape(-1)  # (N,) shifted inside each example
+    flat = (targets != IGNORE).nonzero().squeeze(1)  # (L,) labelled positions
+    logits = model.lm_head(hidden[0].index_select(0, flat))  # (L, V)
+    return LMOutput(label_loss(logits, targets.index_select(0, flat), flat, None), hidden)

@@ -5,8 +5,9 @@ local run (FedDPA: AdamW, lr 3e-4, linear decay, no warm-up, as the reference's 
 FedAMoLE: Adam, constant inside the run, lr decayed x0.99 per round), ``local_epochs`` passes (or
 ``max_steps``), ``batch_size`` per step built from ``micro_batch_size`` forwards with gradient accumulation,
 loss only on response tokens (the LM head runs on those positions alone, :mod:`training.lm_forward`). A
-loss marked :func:`length_grouped` runs each step as length-grouped forwards that keep every token's weight
-(:mod:`training.micro_batches`). A loss with a term over the whole logical batch (FedOA's feature distance,
+loss marked :func:`length_grouped` runs each step as length-grouped forwards that keep every token's weight,
+or on the CPU as the plain split's micro-batches packed without padding (:mod:`training.micro_batches`,
+:mod:`training.packing`). A loss with a term over the whole logical batch (FedOA's feature distance,
 FedMCP's CKA) implements :class:`BatchLoss`: it sees every micro-batch of a step before the first one is
 differentiated, so its value and gradients do not depend on ``micro_batch_size``. Every random
 choice (shuffling, dropout) comes from the given seed, so a run resumed from a checkpoint repeats the
@@ -26,7 +27,8 @@ from tqdm.auto import tqdm
 
 from training.data import Example
 from training.lm_forward import lm_forward
-from training.micro_batches import step_batches
+from training.micro_batches import packs, step_batches
+from training.packing import batch_rows
 from training.regime import run_steps, schedule_factor
 from training.runtime import PRESETS, Runtime, TrainConfig, preset
 
@@ -75,7 +77,8 @@ def length_grouped(loss_fn: LossFn) -> LossFn:
 
     Its LM terms go through :func:`training.lm_forward.lm_forward` (which reads a batch's ``loss_weight``)
     and its other terms are per-step (a proximal term, a :class:`BatchLoss`'s whole-batch term), so the
-    trainer may run the step as length-grouped micro-batches (:mod:`training.micro_batches`). A class
+    trainer may run the step as length-grouped micro-batches (:mod:`training.micro_batches`), or as packed
+    rows whose states are (1, N, H) (:mod:`training.packing`) unless it is a :class:`BatchLoss`. A class
     says the same with a ``length_grouped = True`` attribute.
     """
     loss_fn.length_grouped = True  # type: ignore[attr-defined]
@@ -163,6 +166,8 @@ def train_adapters(
     w_row = torch.tensor([row], dtype=torch.float32, device=device).reshape(1, len(names))
     in_forward = tuple(t for t in trainable if t in names)  # AMoLE routes inside the loss instead
     grouped = bool(getattr(loss_fn, "length_grouped", False))
+    batch_loss = isinstance(loss_fn, BatchLoss)  # its feature terms read padded (B, T, H) states
+    packed = grouped and not batch_loss and packs(device, runtime.model)
     losses: list[torch.Tensor] = []  # per step, on the device; read one step late so a GPU never idles
     extras: dict[str, list[float]] = {}
     runtime.model.train()
@@ -173,18 +178,18 @@ def train_adapters(
             opt.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
             batches = step_batches([examples[i] for i in idx], cfg.micro_batch_size, pad, device, grouped,
-                                   more_forwards=not isinstance(loss_fn, BatchLoss))
-            if isinstance(loss_fn, BatchLoss):
+                                   more_forwards=not batch_loss, packed=packed)
+            if batch_loss:
                 with runtime.loaded.autocast():
                     loss_fn.begin_step(runtime, batches, names, w_row)
             for batch in batches:
-                micro = batch["input_ids"]
-                w = w_row.expand(len(micro), -1)
+                rows = batch_rows(batch)
+                w = w_row.expand(batch["input_ids"].shape[0], -1)  # (B, K): one row for a packed batch
                 # the row on the host (adapters.context.uniform): no device sync, no graph break when compiled
                 with adapted.context.uniform(tuple(names), row, trainable=in_forward), runtime.loaded.autocast():
                     loss, extra = loss_fn(runtime, batch, names, w)
-                (loss * (len(micro) / len(idx))).backward()
-                step_loss += loss.detach().double() * (len(micro) / len(idx))
+                (loss * (rows / len(idx))).backward()
+                step_loss += loss.detach().double() * (rows / len(idx))
                 for k, v in extra.items():
                     extras.setdefault(k, []).append(v)
             if cfg.max_grad_norm is not None:

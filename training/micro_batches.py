@@ -13,16 +13,22 @@ the masks fall on other tokens (the same distribution).
 On the CPU a forward's fixed cost is worth tens of padded tokens (``CPU_FORWARD_TOKENS``), so a step runs as
 more, smaller forwards only where they save more padding than that; on an accelerator a small batch's step
 waits on the host, so the number of forwards stays the plain split's.
+
+Better still on the CPU, where the model allows it (:func:`training.packing.packable`): the plain split's
+micro-batches packed, each into one row without padding (:mod:`training.packing`). The forwards are the
+plain split's, their GEMMs as large as a micro-batch's real tokens, and no padding is computed at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from training.data import IGNORE, Example, collate
 from training.lm_forward import WEIGHT_KEY
+from training.packing import pack, packable
 
 # A forward's fixed cost on the CPU in padded-token equivalents: a split is made only where it saves more
 # padding than this. Measured, not derived: a training forward and backward of a few rows costs a floor
@@ -84,13 +90,23 @@ def forward_cost(device: torch.device) -> int | None:
     return CPU_FORWARD_TOKENS if device.type == "cpu" else None
 
 
+def packs(device: torch.device, model: torch.nn.Module) -> bool:
+    """Whether a length-grouped loss's steps run as packed micro-batches on ``device`` with ``model``.
+
+    On the CPU, for a :func:`training.packing.packable` model (bench/HISTORY.md: faster than the
+    length-grouped plan). Not on an accelerator: its small steps wait on the host, and packing's gathers
+    add kernels to every layer (not yet measured there).
+    """
+    return device.type == "cpu" and packable(model)
+
+
 def _targets(example: Example) -> int:
     """Labelled tokens the shifted loss counts: labels from position 1 on (position 0 predicts nothing)."""
     return sum(1 for label in example.labels[1:] if label != IGNORE)
 
 
 def step_batches(examples: Sequence[Example], micro_batch_size: int, pad_id: int, device: torch.device,
-                 by_length: bool, more_forwards: bool = True) -> list[dict[str, torch.Tensor]]:
+                 by_length: bool, more_forwards: bool = True, packed: bool = False) -> list[dict[str, Any]]:
     """The collated micro-batches of one optimizer step over ``examples`` (in draw order).
 
     Args:
@@ -101,12 +117,17 @@ def step_batches(examples: Sequence[Example], micro_batch_size: int, pad_id: int
         by_length: regroup by length with ``loss_weight`` rows (the loss reads it); False: the plain split.
         more_forwards: on the CPU, allow more forwards than the plain split where they pad less (False for
             a :class:`training.local_train.BatchLoss`, whose extra feature forwards grow with their number).
+        packed: the plain split's micro-batches, each packed into one row (:func:`training.packing.pack`;
+            the loss reads it through :func:`training.lm_forward.lm_forward`); ``by_length`` is then moot.
 
     Returns:
-        Collated batches; the trainer weights each one's loss by its share of the step's rows.
+        Collated or packed batches; the trainer weights each one's loss by its share of the step's rows
+        (:func:`training.packing.batch_rows`).
     """
     n = len(examples)
     plain = [list(range(s, min(n, s + micro_batch_size))) for s in range(0, n, micro_batch_size)]
+    if packed:
+        return [pack([examples[i] for i in micro], device=device) for micro in plain]
     if by_length and n > 1:
         cost = forward_cost(device) if more_forwards else None
         groups = plan_groups([len(e.input_ids) for e in examples], micro_batch_size,

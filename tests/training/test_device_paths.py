@@ -21,10 +21,11 @@ from adapters.rundir import RunDir
 from models import LoadedModel, tiny_llama
 from routing.cache import EmbeddingIndex
 from tests.devicecheck import PRETEND, ShadowDevice
-from training import micro_batches
+from training import local_train, micro_batches
 from training.algorithms import get_method
 from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
 from training.data import generate_suite
+from training.packing import packable
 from training.protocol import ClientContext, FitRes, StateDict
 from training.runtime import Runtime, preset
 from training.simulation import SimConfig, run_federated
@@ -36,12 +37,14 @@ CASES = {"fedit": ({}, 0), "fedprox": ({"mu": 0.5}, 0), "feddpa-t": ({}, 1), "fe
          "fedamole": ({"num_experts": 4, "max_experts": 3, "expert_choices": 2}, 0), "local": ({}, 0)}
 
 
-@pytest.fixture(autouse=True)
-def _one_grouping_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU may split a step into more forwards than a GPU (``training.micro_batches.forward_cost``), and
-    LoRA dropout's masks follow the forwards: both runs here take the GPU's policy, so they compare like
-    with like (the grouping itself is tested in test_micro_batches.py)."""
+@pytest.fixture(autouse=True, params=["packed", "grouped"])
+def _one_grouping_policy(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """The CPU may split a step into more forwards than a GPU (``training.micro_batches.forward_cost``) or
+    pack it (``training.micro_batches.packs``), and LoRA dropout's masks follow the forwards: both runs
+    here take one policy, so they compare like with like: packed rows, or the GPU's length-grouped
+    batches (the policies themselves are tested in test_micro_batches.py and test_packing.py)."""
     monkeypatch.setattr(micro_batches, "forward_cost", lambda device: None)
+    monkeypatch.setattr(local_train, "packs", lambda device, model: request.param == "packed" and packable(model))
 
 
 def _fit(method: str, shadow: ShadowDevice | None,

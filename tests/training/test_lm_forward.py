@@ -12,6 +12,7 @@ import torch
 from adapters import LoraConfig
 from models import tiny_llama
 from training import lm_forward as lmf
+from training import packing
 from training.algorithms import fedamole, fedmcp, fedoa
 from training.data import IGNORE, Example, collate
 from training.local_train import lm_loss
@@ -105,7 +106,7 @@ def test_a_model_outside_the_plain_head_list_takes_the_full_forward(monkeypatch:
     batch = collate(_examples([5, 9], [2, 3]), pad_id=rt.tokenizer.pad_token_id)
     with torch.no_grad():
         fast = lmf.lm_forward(rt.model, batch)
-        monkeypatch.setattr(lmf, "PLAIN_HEAD", frozenset())
+        monkeypatch.setattr(packing, "PLAIN_HEAD", frozenset())
         full = lmf.lm_forward(rt.model, batch)
         ref = hf_forward(rt.model, batch)
     torch.testing.assert_close(full.loss, ref.loss)

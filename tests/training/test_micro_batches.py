@@ -10,6 +10,7 @@ import torch
 
 from adapters import LoraConfig
 from models import tiny_llama
+from training import local_train
 from training.algorithms.fedmcp import FedMCPLoss
 from training.data import IGNORE, Example
 from training.lm_forward import WEIGHT_KEY
@@ -102,7 +103,10 @@ def _plain_lm(rt, batch, names, weights):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("micro", [3, 8])
-def test_a_grouped_step_equals_the_plain_step(micro: int) -> None:
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_grouped_step_equals_the_plain_step(micro: int, packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on the CPU a length-grouped loss's step runs packed (training.packing); else as length-grouped batches
+    monkeypatch.setattr(local_train, "packs", lambda device, model: packed)
     grouped, plain = _step(lm_loss, micro), _step(_plain_lm, micro)
     assert grouped[0].abs().max() > 1e-3
     torch.testing.assert_close(grouped[0], plain[0], rtol=1e-4, atol=1e-6)

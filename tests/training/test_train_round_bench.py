@@ -15,7 +15,7 @@ from tests.bench_script import load_bench
 from training.data import Example, collate, generate_suite
 from training.lm_forward import lm_forward
 from training.local_train import length_grouped, lm_loss, train_adapters
-from training.micro_batches import step_batches
+from training.micro_batches import packs, step_batches
 from training.protocol import derive_seed
 from training.runtime import Runtime, TrainConfig
 
@@ -55,7 +55,7 @@ def test_drawn_work_is_what_the_trainer_forwards(tiny: LoadedModel) -> None:
     rt.set("global", rt.fresh("global", 1))
     train_adapters(rt, examples, ["global"], ["global"], [1.0], seed=seed, loss_fn=recording)
     pad, shape = rt.tokenizer.pad_token_id, _shape(tiny)
-    work = bench.drawn_work(examples, train, seed, pad, shape, rt.device)
+    work = bench.drawn_work(examples, train, seed, pad, shape, rt.device, packed=packs(rt.device, rt.model))
     tokens, padded = work.tokens, work.padded
     assert padded == sum(int(b["input_ids"].numel()) for b in seen)
     assert tokens == sum(int(b["attention_mask"].sum()) for b in seen)
@@ -70,14 +70,16 @@ def test_drawn_work_is_what_the_trainer_forwards(tiny: LoadedModel) -> None:
             plain_padded += int(collate(micro, pad_id=pad)["input_ids"].numel())
     plain = bench.drawn_work(examples, train, seed, pad, shape, rt.device, by_length=False)
     assert (plain.tokens, plain.padded) == (tokens, plain_padded)
-    assert plain_padded > padded  # grouping by length pads less on this spread
+    assert plain_padded > padded  # packing (or grouping by length) pads less on this spread
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj", "down_proj"), ("o_proj",),
                                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")])
-def test_step_flops_are_what_torch_counts_in_each_loops_forward_and_backward(targets: tuple[str, ...]) -> None:
-    # ours: length-grouped micro-batches, the head on the labelled positions only; the plain PEFT loop: the
-    # plain split, the head on every position. torch's FlopCounterMode counts every mm either runs.
+@pytest.mark.parametrize("packed", [True, False])
+def test_step_flops_are_what_torch_counts_in_each_loops_forward_and_backward(targets: tuple[str, ...],
+                                                                             packed: bool) -> None:
+    # ours: packed or length-grouped micro-batches, the head on the labelled positions only; the plain PEFT
+    # loop: the plain split, the head on every position. torch's FlopCounterMode counts every mm either runs.
     flops = load_bench("step_flops")
     plain_peft = load_bench("plain_peft")
     train = TrainConfig(batch_size=6, micro_batch_size=2, max_steps=1, cutoff_len=512, lr=1e-3,
@@ -87,7 +89,7 @@ def test_step_flops_are_what_torch_counts_in_each_loops_forward_and_backward(tar
     examples = _spread(list(rt.examples(generate_suite(seed=0, n_train=6, n_test=1).clients[0])))
     pad = rt.tokenizer.pad_token_id
     rt.set("global", rt.fresh("global", 1))
-    ours = step_batches(examples, train.micro_batch_size, pad, rt.device, by_length=True)
+    ours = step_batches(examples, train.micro_batch_size, pad, rt.device, by_length=True, packed=packed)
     with FlopCounterMode(display=False) as counted:
         for batch in ours:
             with rt.adapted.context.uniform(("global",), [1.0], trainable=("global",)):
