@@ -102,11 +102,13 @@ def _packed(model: torch.nn.Module, batch: dict[str, Any], with_loss: bool) -> L
     """A packed row's forward: the mean loss over its labelled tokens, as its examples' padded micro-batch's."""
     if not packable(model):
         raise ValueError(f"a packed batch needs a Llama-layout model without a sliding window "
-                         f"({sorted(PLAIN_HEAD)}), got {getattr(model.config, 'model_type', type(model).__name__)}")
+                         f"({sorted(PLAIN_HEAD)}), got "
+                         f"{getattr(getattr(model, 'config', None), 'model_type', None) or type(model).__name__}")
     hidden = packed_states(model, batch)  # (1, N, H)
     if not with_loss:
         return LMOutput(None, hidden)
     targets = batch["targets"].reshape(-1)  # (N,) shifted inside each example
     flat = (targets != IGNORE).nonzero().squeeze(1)  # (L,) labelled positions
     logits = model.lm_head(hidden[0].index_select(0, flat))  # (L, V)
+    # the plain mean over the row's labelled tokens (no row weights, so the rows argument goes unread)
     return LMOutput(label_loss(logits, targets.index_select(0, flat), flat, None), hidden)

@@ -78,8 +78,8 @@ def length_grouped(loss_fn: LossFn) -> LossFn:
     Its LM terms go through :func:`training.lm_forward.lm_forward` (which reads a batch's ``loss_weight``)
     and its other terms are per-step (a proximal term, a :class:`BatchLoss`'s whole-batch term), so the
     trainer may run the step as length-grouped micro-batches (:mod:`training.micro_batches`), or as packed
-    rows whose states are (1, N, H) (:mod:`training.packing`) unless it is a :class:`BatchLoss`. A class
-    says the same with a ``length_grouped = True`` attribute.
+    rows whose states are (1, N, H) (:mod:`training.packing`; ``padded_states`` gives them one row per
+    example). A class says the same with a ``length_grouped = True`` attribute.
     """
     loss_fn.length_grouped = True  # type: ignore[attr-defined]
     return loss_fn
@@ -166,8 +166,8 @@ def train_adapters(
     w_row = torch.tensor([row], dtype=torch.float32, device=device).reshape(1, len(names))
     in_forward = tuple(t for t in trainable if t in names)  # AMoLE routes inside the loss instead
     grouped = bool(getattr(loss_fn, "length_grouped", False))
-    batch_loss = isinstance(loss_fn, BatchLoss)  # its feature terms read padded (B, T, H) states
-    packed = grouped and not batch_loss and packs(device, runtime.model)
+    batch_loss = isinstance(loss_fn, BatchLoss)
+    packed = grouped and packs(device, runtime.model)
     losses: list[torch.Tensor] = []  # per step, on the device; read one step late so a GPU never idles
     extras: dict[str, list[float]] = {}
     runtime.model.train()

@@ -86,6 +86,8 @@ def pack(examples: Sequence[Example], device: torch.device | str = "cpu") -> dic
     lengths = [len(e.input_ids) for e in examples]
     if min(lengths) < 1:
         raise DataError("cannot pack an example with no tokens")
+    if any(len(e.labels) != n for e, n in zip(examples, lengths, strict=True)):
+        raise DataError("cannot pack an example whose labels and input_ids differ in length")
     ids = [t for e in examples for t in e.input_ids]
     targets = [t for e in examples for t in (*e.labels[1:], IGNORE)]
     positions = [p for n in lengths for p in range(n)]
@@ -106,6 +108,24 @@ def batch_rows(batch: dict[str, Any]) -> int:
     """The examples a collated or packed batch holds."""
     p = batch.get(PACK_KEY)
     return p.rows if isinstance(p, Pack) else int(batch["input_ids"].shape[0])
+
+
+def padded_states(hidden: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's final-layer states and the mask of their real tokens, one row per example.
+
+    Args:
+        hidden: (B, T, H) states of a collated batch, or (1, N, H) of a packed one.
+        batch: the batch they came from.
+
+    Returns:
+        (B, T, H) states (a packed row's examples right-padded with zero states) and their (B, T) mask.
+    """
+    p = batch.get(PACK_KEY)
+    if not isinstance(p, Pack):
+        return hidden, batch["attention_mask"]
+    total = hidden.shape[1]
+    rows = torch.cat([hidden[0], hidden.new_zeros(1, hidden.shape[2])]).index_select(0, p.gather.reshape(-1))
+    return rows.view(*p.gather.shape, hidden.shape[2]), (p.gather < total).long()
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

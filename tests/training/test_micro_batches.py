@@ -12,6 +12,7 @@ from adapters import LoraConfig
 from models import tiny_llama
 from training import local_train
 from training.algorithms.fedmcp import FedMCPLoss
+from training.algorithms.fedoa import FedOALoss
 from training.data import IGNORE, Example
 from training.lm_forward import WEIGHT_KEY
 from training.local_train import lm_loss, train_adapters
@@ -81,6 +82,10 @@ class _PlainFedMCP(FedMCPLoss):
     length_grouped = False
 
 
+class _PlainFedOA(FedOALoss):
+    length_grouped = False
+
+
 def _step(loss, micro: int) -> tuple[torch.Tensor, float]:  # noqa: ANN001
     """The adapters' change after one SGD step over all 8 examples, and the step's loss."""
     rt = Runtime(tiny_llama(), TrainConfig(optimizer="sgd", lr=1.0, schedule="constant", batch_size=len(LENGTHS),
@@ -90,7 +95,8 @@ def _step(loss, micro: int) -> tuple[torch.Tensor, float]:  # noqa: ANN001
         state = rt.fresh(name, i)
         rt.set(name, {k: torch.randn(v.shape, generator=gen) * 0.3 if k.endswith("lora_B") else v
                       for k, v in state.items()})
-    trainable = ["global", "local"] if isinstance(loss, FedMCPLoss) else ["global"]
+    trainable = ["global", "local"] if isinstance(loss, FedMCPLoss) else ["local"] if isinstance(
+        loss, FedOALoss) else ["global"]
     weights = [0.5, 0.5] if isinstance(loss, FedMCPLoss) else [1.0]
     before = torch.cat([p.detach().flatten().clone() for p in rt.adapted.parameters_of(trainable)])
     res = train_adapters(rt, _examples(), trainable, trainable, weights, seed=0, loss_fn=loss)
@@ -113,8 +119,15 @@ def test_a_grouped_step_equals_the_plain_step(micro: int, packed: bool, monkeypa
     assert grouped[1] == pytest.approx(plain[1], rel=1e-5)
 
 
-def test_a_grouped_fedmcp_step_equals_the_plain_step() -> None:
-    grouped, plain = _step(FedMCPLoss(0.5, 5.0), 3), _step(_PlainFedMCP(0.5, 5.0), 3)
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("method", ["fedmcp", "fedoa"])
+def test_a_grouped_batch_loss_step_equals_the_plain_step(method: str, packed: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # the whole-batch terms read per-example features: pooled from packed rows, or from grouped batches
+    monkeypatch.setattr(local_train, "packs", lambda device, model: packed)
+    ours, theirs = (FedMCPLoss(0.5, 5.0), _PlainFedMCP(0.5, 5.0)) if method == "fedmcp" else (
+        FedOALoss(0.5, "l2"), _PlainFedOA(0.5, "l2"))
+    grouped, plain = _step(ours, 3), _step(theirs, 3)
     assert grouped[0].abs().max() > 1e-3
     torch.testing.assert_close(grouped[0], plain[0], rtol=1e-4, atol=1e-6)
     assert grouped[1] == pytest.approx(plain[1], rel=1e-5)

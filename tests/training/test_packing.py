@@ -80,7 +80,8 @@ def test_a_packed_row_equals_its_examples_padded(lengths: list[int], prompt: lis
     exs = _examples(lengths, prompt)
     padded = collate(exs, pad_id=rt.tokenizer.pad_token_id)
     ref, ref_grads = _run(rt, padded, names, trainable, reference=True)
-    got, grads = _run(rt, packing.pack(exs), names, trainable, reference=False)
+    packed = packing.pack(exs)
+    got, grads = _run(rt, packed, names, trainable, reference=False)
     torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
     assert any(g.abs().max() > 0 for g in ref_grads)
     for a, b in zip(grads, ref_grads, strict=True):
@@ -89,6 +90,12 @@ def test_a_packed_row_equals_its_examples_padded(lengths: list[int], prompt: lis
     real = ref.hidden[padded["attention_mask"].bool()]  # (N, H)
     assert got.hidden.shape == (1, sum(lengths), real.shape[-1])
     torch.testing.assert_close(got.hidden[0], real, rtol=1e-5, atol=1e-5)
+    # one row per example again, as the feature terms (FedOA, FedMCP) read them
+    states, mask = packing.padded_states(got.hidden, packed)
+    assert torch.equal(mask, padded["attention_mask"])
+    torch.testing.assert_close(states[mask.bool()], real, rtol=1e-5, atol=1e-5)
+    assert not states[~mask.bool()].any()
+    assert packing.padded_states(ref.hidden, padded)[0] is ref.hidden
 
 
 def test_the_model_attends_as_before_once_a_packed_forward_ends_even_by_an_error() -> None:
@@ -109,6 +116,8 @@ def test_packing_is_refused_by_name_where_the_model_cannot_take_it(monkeypatch: 
         packing.pack([])
     with pytest.raises(DataError, match="no tokens"):
         packing.pack([Example((), ())])
+    with pytest.raises(DataError, match="labels and input_ids differ"):
+        packing.pack([Example((5, 6, 7), (IGNORE, 6))])
     rt.model.config.sliding_window = 4  # attention limited to a window: the packed attention does not honour it
     assert not packing.packable(rt.model)
     assert not packs(torch.device("cpu"), rt.model)

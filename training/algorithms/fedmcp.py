@@ -31,6 +31,7 @@ from training.cka import linear_cka, unbiased_linear_cka
 from training.features import mean_pool
 from training.lm_forward import lm_forward
 from training.local_train import train_adapters
+from training.packing import padded_states
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
 from training.regime import Regime
 from training.robust import RobustConfig
@@ -53,13 +54,12 @@ def similarity(a: torch.Tensor, b: torch.Tensor, kind: str = "cka", unbiased: bo
 def _pooled(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None, labels: bool = False,
             trainable: tuple[str, ...] = ()) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(LM loss or None, mean-pooled final-layer states (B, H)); ``adapter`` None keeps the caller's context."""
-    mask = batch["attention_mask"]
     if adapter is None:
         out = lm_forward(rt.model, batch, with_loss=labels)
     else:
         with rt.adapted.context.uniform((adapter,), (1.0,), trainable=trainable):
             out = lm_forward(rt.model, batch, with_loss=labels)
-    return out.loss, mean_pool(out.hidden, mask)
+    return out.loss, mean_pool(*padded_states(out.hidden, batch))
 
 
 class FedMCPLoss:

@@ -27,6 +27,7 @@ from training.batch_terms import SplitTerm, eval_mode, micro_share, split_term
 from training.features import feature_distance, last_token
 from training.lm_forward import lm_forward
 from training.local_train import train_adapters
+from training.packing import padded_states
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
 from training.regime import Regime
 from training.robust import RobustConfig
@@ -40,13 +41,12 @@ REGIME = Regime(local_epochs=2, source="paper 001 s5.1 + App. C (K=2 epochs, bat
 def _features(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None,
               labels: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(LM loss or None, last-token final-layer features (B, H)); ``adapter`` None keeps the caller's context."""
-    mask = batch["attention_mask"]
     if adapter is None:
         out = lm_forward(rt.model, batch, with_loss=labels)
     else:
         with rt.adapted.context.uniform((adapter,), (1.0,), trainable=()):
             out = lm_forward(rt.model, batch, with_loss=labels)
-    return out.loss, last_token(out.hidden, mask)
+    return out.loss, last_token(*padded_states(out.hidden, batch))
 
 
 class FedOALoss:
