@@ -9,6 +9,10 @@ import torch
 
 from adapters import LoraConfig
 from models import tiny_llama
+
+# the labelled-forward tests' examples and runtime (tiny Llama, 4 query heads over 2 key/value heads: the
+# grouped-query path; every adapter with a non-zero B)
+from tests.training.test_lm_forward import _examples, _runtime
 from training import local_train, packing
 from training.data import IGNORE, DataError, Example, collate
 from training.lm_forward import LMOutput, lm_forward
@@ -16,28 +20,7 @@ from training.local_train import lm_loss, train_adapters
 from training.micro_batches import packs, step_batches
 from training.runtime import Runtime, TrainConfig
 
-TRAIN = TrainConfig(lora=LoraConfig(dropout=0.0))
 SHAPES = [([9], [4]), ([5, 12, 7], [2, 9, 6]), ([16, 16], [1, 3]), ([3, 20, 11, 1, 4], [2, 15, 0, 0, 3])]
-
-
-def _examples(lengths: list[int], prompt: list[int], seed: int = 0) -> list[Example]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n, p in zip(lengths, prompt, strict=True):
-        ids = torch.randint(3, 500, (n,), generator=gen).tolist()
-        out.append(Example(tuple(ids), tuple([IGNORE] * p + ids[p:])))
-    return out
-
-
-def _runtime() -> Runtime:
-    rt = Runtime(tiny_llama(), TRAIN)  # 4 query heads over 2 key/value heads: the grouped-query path
-    gen = torch.Generator().manual_seed(7)
-    for i, name in enumerate(("global", "local")):  # non-zero B: both adapters change the forward
-        state = rt.fresh(name, i)
-        rt.set(name, {k: torch.randn(v.shape, generator=gen) * 0.3 if k.endswith("lora_B") else v
-                      for k, v in state.items()})
-    rt.model.eval()
-    return rt
 
 
 def _run(rt: Runtime, batch: dict, names: tuple[str, ...], trainable: tuple[str, ...],
