@@ -8,8 +8,15 @@ TORCH_VARIANT ?=
 TORCH_INDEX := $(if $(TORCH_VARIANT),--index-url https://download.pytorch.org/whl/$(TORCH_VARIANT),)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedmosaic-installed
+# The benchmark data (FedDPA's data sets, the Dolly split) for every command make runs, when it sits beside
+# the checkout and FEDMOSAIC_DATA_DIR is unset; the code itself has no default folder.
+ifeq ($(strip $(FEDMOSAIC_DATA_DIR)),)
+ifneq ($(wildcard ../shared/data/.),)
+export FEDMOSAIC_DATA_DIR := $(abspath ../shared/data)
+endif
+endif
 
-.PHONY: venv quickstart test test-gpu lint bench clean-venv browser
+.PHONY: venv quickstart test test-gpu lint typecheck bench clean-venv browser docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,9 +38,11 @@ quickstart: venv
 test: venv
 	$(VENV)/bin/lint-imports --config pyproject.toml
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(MAKE) --no-print-directory docs
 	FLWR_TELEMETRY_ENABLED=0 $(PY) -m pytest -q
 
-# On a CUDA machine (a CUDA build of torch in .venv, see README "GPU"): the tests marked `cuda` only.
+# On a CUDA machine (a CUDA build of torch in .venv, see docs/gpu.md): the tests marked `cuda` only.
 # Without a GPU they are all skipped, each with the reason. mamba-ssm built by ../shared/gpu/mamba_ssm.sh
 # into MAMBA_SSM (its TARGET) goes on PYTHONPATH, so pFedSeq's kernel test runs instead of being skipped.
 MAMBA_SSM ?= ../shared/gpu/mamba-ssm
@@ -58,8 +67,17 @@ browser:
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# The documentation site (mkdocs.yml, docs/), built strictly: a broken link, a missing page or a docstring
+# mkdocstrings cannot parse fails it. The site goes to site/ (ignored); `make test` runs this too.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# mypy over the packages pyproject.toml's [tool.mypy] files lists (`make test` runs it too).
+typecheck: venv
+	$(VENV)/bin/mypy
+
 bench: venv
-	$(PY) bench/adapter_overhead.py
+	$(PY) -m bench.serving.adapter_overhead
 
 clean-venv:
 	rm -rf $(VENV)

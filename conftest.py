@@ -3,8 +3,8 @@
 Triton kernels run on CPU tensors only in Triton's interpreter, which has to be switched on
 (TRITON_INTERPRET=1) before triton is first imported, and torch._dynamo (imported by transformers)
 imports triton as soon as it is installed. So, when no CUDA GPU is present, the variable is set here
-for the whole session (tests/serving/test_kernels.py then runs serving.engine.kernels' Triton kernels on CPU);
-with a GPU it is left alone, so tests/gpu runs the compiled kernels.
+for the whole session (tests/serving/engine/kernels/test_kernels.py then runs serving.engine.kernels'
+Triton kernels on CPU); with a GPU it is left alone, so tests/gpu runs the compiled kernels.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pure AMoLE math on tensors: the shape-invariant gate, the routed expert sum, the balance loss.
 
 FedAMoLE (paper 002, section 4.2, equations (4)-(11); Appendix C.1, equations (25)-(27)), as the
-reference code computes them (METHODS.md 1.2-1.3). For one adapted Linear of one client holding E
+reference code computes them (docs/methods.md 1.2-1.3). For one adapted Linear of one client holding E
 domain experts (A_j: (r, d), B_j: (o, r)), a shared expert and a token projection P: (r, d):
 
     e_j = A_j h                        (4)  expert embedding: no dropout, no scaling
@@ -47,6 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from adapters.dropout import lora_dropout
+
+Router = Literal["amole", "vanilla"]  # the shape-invariant gate, or FedAMoLE-A's vanilla MoLE router
+RoutedDropout = Literal["per_expert", "per_token"]
 
 
 @dataclass(frozen=True)
@@ -234,8 +237,8 @@ def amole_forward(
     top_k: int,
     dropout_p: float = 0.0,
     training: bool = False,
-    routed_dropout: Literal["per_expert", "per_token"] = "per_expert",
-    router: Literal["amole", "vanilla"] = "amole",
+    routed_dropout: RoutedDropout = "per_expert",
+    router: Router = "amole",
 ) -> AMoLEOutput:
     """Full AMoLE module output (equation (11)) given the frozen layer's output ``W0 h + b``.
 

@@ -18,10 +18,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from adapters.amole import Router
 from adapters.amole_layer import (
     SHARED,
     add_amole_experts,
@@ -44,7 +46,7 @@ Assignments = Mapping[str, Mapping[str, tuple[int, ...] | list[int]]]
 
 def save_amole(
     adapted: AdaptedModel, folder: str | Path, num_experts: int, assignments: Assignments, top_k: int = 2,
-    router: str = "amole",
+    router: Router = "amole",
 ) -> Path:
     """Write all experts, routers (token projections or vanilla routers) and ``assignments`` of an AMoLE model."""
     folder = Path(folder)
@@ -70,7 +72,7 @@ def save_amole(
     return folder
 
 
-def read_amole_meta(folder: str | Path) -> dict[str, object]:
+def read_amole_meta(folder: str | Path) -> dict[str, Any]:
     """Return the parsed ``amole_config.json`` of ``folder`` (raises AdapterError when absent)."""
     path = Path(folder) / CONFIG
     if not path.is_file():
@@ -100,7 +102,7 @@ class AMoLEFolder:
     num_experts: int
     top_k: int
     shared: bool
-    router: str
+    router: Router
     base_model: str | None
     layers: tuple[str, ...]
     state: dict[str, torch.Tensor]
@@ -142,8 +144,8 @@ def read_amole(adapted: AdaptedModel, folder: str | Path) -> AMoLEFolder:
     folder = Path(folder)
     meta = read_amole_meta(folder)
     try:
-        config = LoraConfig.from_peft_dict(meta["lora"])  # type: ignore[arg-type]
-        num_experts, top_k = int(meta["num_experts"]), int(meta["top_k"])  # type: ignore[arg-type]
+        config = LoraConfig.from_peft_dict(meta["lora"])
+        num_experts, top_k = int(meta["num_experts"]), int(meta["top_k"])
         shared = bool(meta["shared_expert"])
         router = check_router(str(meta.get("router", "amole")))  # folders written before FedAMoLE-A: amole
         raw = json.loads((folder / ASSIGNMENTS).read_text())
@@ -151,7 +153,7 @@ def read_amole(adapted: AdaptedModel, folder: str | Path) -> AMoLEFolder:
         raise AdapterError(f"{folder} is not a complete AMoLE folder: {exc}") from exc
     if not (folder / WEIGHTS).is_file():
         raise AdapterError(f"{folder} lacks {WEIGHTS}")
-    base = meta["lora"].get("base_model_name_or_path")  # type: ignore[union-attr]
+    base = meta["lora"].get("base_model_name_or_path")
     layers = adapted.target_layers(config)
     return AMoLEFolder(folder, config, num_experts, top_k, shared, router, base or None, tuple(layers),
                        load_file(str(folder / WEIGHTS)), _check_assignments(raw, num_experts, set(layers), folder))

@@ -1,7 +1,7 @@
-"""Several AMoLE clients in one inference batch: one pass over the union of their experts.
+"""Several AMoLE clients in one inference batch, one pass over the union of their experts; the usage recorder.
 
 Serving puts rows of different FedAMoLE clients in the same decode step (paper 002, section 4.2;
-METHODS.md 1.1). Each client's gate is a softmax over *its* assigned experts in the module, then
+docs/methods.md 1.1). Each client's gate is a softmax over *its* assigned experts in the module, then
 top-k and renormalisation. Running that once per client in every layer costs one Python round of
 small kernels per (client, layer). Here the clients that share an expert source (one loaded run
 version), the shared-expert setting and the effective k = min(top_k, E_c) run together:
@@ -13,6 +13,9 @@ version), the shared-expert setting and the effective k = min(top_k, E_c) run to
 - the routed sum is one dense (N, U*r) x (U*r, o) product with the unselected weights at zero.
 
 Only for inference (no autograd, no dropout, no RSEA observer): training runs one client at a time.
+
+:class:`ExpertRecorder` is the off-by-default tally of the experts tokens chose, filled by this union pass
+and by the one-client forward of :mod:`adapters.amole_routing`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from adapters.amole import amole_delta_dense
+from adapters.amole import Router, amole_delta_dense
+from adapters.config import AdapterError
 
 if TYPE_CHECKING:
-    from adapters.amole_routing import ExpertRecorder
     from adapters.layer import MultiLoraLinear
 
 
@@ -52,7 +55,7 @@ class GroupSetup:
     P: torch.Tensor
     top_k: int
     shared: bool
-    router: str = "amole"
+    router: Router = "amole"
 
     @property
     def batch_key(self) -> tuple[str, int, int, bool, str]:
@@ -126,3 +129,80 @@ def union_forward(
 def union_ids(setups: Sequence[GroupSetup]) -> tuple[int, ...]:
     """The sorted union of the groups' expert ids."""
     return tuple(sorted({j for s in setups for j in s.experts}))
+
+
+class ExpertRecorder:
+    """Off-by-default hook: the top-k domain-expert ids every routed token chose, by layer and row.
+
+    Set it on :attr:`adapters.amole_routing.AMoLERouting.recorder`; each AMoLE layer then hands it, per client
+    group, the batch rows it routed, their tokens' top-k selections as positions in the group's assignment,
+    and that assignment (position -> expert id ``j`` of ``expert_<j>``). Recording only keeps
+    references; :meth:`counts` tallies every record in a fixed number of tensor operations, however
+    many layers and groups the forward had. Padding positions are recorded like any token (the
+    serving engine prefills without padding).
+    """
+
+    def __init__(self) -> None:
+        # (layer path, rows (n,), choices (n*T, k) positions, expert ids of the positions)
+        self.records: list[tuple[str, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
+
+    def record(self, path: str, rows: torch.Tensor, choices: torch.Tensor, experts: Sequence[int]) -> None:
+        """Keep the selections of batch ``rows`` (n,) in layer ``path``.
+
+        Args:
+            path: the layer's module path.
+            rows: (n,) batch rows of the group.
+            choices: (n*T, k) top-k positions into ``experts``, tokens of a row contiguous.
+            experts: the group's assigned expert ids in that layer.
+        """
+        self.records.append((path, rows, choices, tuple(experts)))
+
+    def choices(self, path: str, row: int) -> torch.Tensor:
+        """Return the (T, k) expert ids row ``row`` chose in layer ``path`` (its latest record)."""
+        for p, rows, chosen, experts in reversed(self.records):
+            hit = (rows == row).nonzero(as_tuple=True)[0]
+            if p == path and hit.numel():
+                per_row = chosen.view(rows.numel(), -1, chosen.shape[-1])[int(hit[0])].cpu()  # (T, k)
+                return torch.tensor(experts, dtype=torch.long, device="cpu")[per_row]
+        raise AdapterError(f"nothing recorded for row {row} in {path}")
+
+    def counts(self, paths: Sequence[str], num_experts: int, rows: int, last_token: bool = False) -> torch.Tensor:
+        """Tally the recorded selections into ``(rows, len(paths), num_experts)`` counts.
+
+        Args:
+            paths: layer paths, in the order of the second axis; recorded layers not listed are an error.
+            num_experts: size of the last axis (expert ids must be below it).
+            rows: batch rows of the first axis.
+            last_token: count only each row's last position (the token a decode step predicts from).
+
+        Returns:
+            A long tensor; every token adds its k selections, so a layer's row sums to k x tokens.
+        """
+        index = {p: i for i, p in enumerate(paths)}
+        if not self.records:
+            return torch.zeros(rows, len(paths), num_experts, dtype=torch.long, device="cpu")
+        unknown = sorted({r[0] for r in self.records} - set(index))
+        if unknown:
+            raise AdapterError(f"recorded layers {unknown[:3]} are not among the {len(paths)} paths asked for")
+        picks, row_parts, row_repeats, sizes, layers, table = [], [], [], [], [], []
+        width = max(len(r[3]) for r in self.records)
+        for path, row_ids, chosen, experts in self.records:
+            n, k = row_ids.numel(), chosen.shape[-1]
+            if last_token:
+                chosen = chosen.view(n, -1, k)[:, -1]  # (n, k)
+            picks.append(chosen.reshape(-1))
+            row_parts.append(row_ids)
+            row_repeats += [chosen.numel() // max(n, 1)] * n
+            sizes.append(chosen.numel())
+            layers.append(index[path])
+            table.append(list(experts) + [0] * (width - len(experts)))
+        pick = torch.cat(picks).cpu()  # (S,) positions, all records
+        # host-side tally (the records were moved to the CPU above): the counts are a report, not a tensor op
+        row = torch.cat(row_parts).cpu().repeat_interleave(torch.tensor(row_repeats, device="cpu"))  # (S,)
+        record = torch.arange(len(sizes), device="cpu").repeat_interleave(torch.tensor(sizes, device="cpu"))  # (S,)
+        expert = torch.tensor(table, dtype=torch.long, device="cpu")[record, pick]  # (S,) expert ids
+        layer = torch.tensor(layers, dtype=torch.long, device="cpu")[record]  # (S,)
+        if int(expert.max()) >= num_experts:
+            raise AdapterError(f"expert id {int(expert.max())} does not fit num_experts={num_experts}")
+        flat = (row * len(paths) + layer) * num_experts + expert
+        return torch.bincount(flat, minlength=rows * len(paths) * num_experts).view(rows, len(paths), num_experts)

@@ -14,6 +14,6 @@ def module_device(module: torch.nn.Module) -> torch.device:
     """The device of ``module``'s first parameter (or buffer); the CPU for a module holding neither."""
     for tensor in module.parameters():
         return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")

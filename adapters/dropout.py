@@ -1,4 +1,4 @@
-"""LoRA dropout on the adapter's input, its masks drawn as 32-bit random words (the papers' LoRA dropout, METHODS.md).
+"""LoRA dropout on the adapter's input, its masks drawn as 32-bit random words (LoRA dropout, docs/methods.md).
 
 PEFT applies ``nn.Dropout(lora_dropout)`` to each adapter's input (paper 000 and its reference code: 0.05
 on q and v). The semantics are the same here: each element is zeroed with probability ``p`` and the rest

@@ -35,18 +35,18 @@ def concat_adapters(
     """
     if not mixture:
         raise AdapterError("a mixture to export needs at least one (adapter, weight) pair")
-    configs = [adapted.configs.get(name) for name, _ in mixture]
-    for (name, _), cfg in zip(mixture, configs, strict=True):
+    configs: list[LoraConfig] = []
+    for name, _ in mixture:
+        cfg = adapted.configs.get(name)
         if cfg is None:
             raise AdapterError(f"unknown adapter {name!r}; present: {adapted.adapter_names}")
-    targets = {tuple(sorted(c.target_modules)) for c in configs if c is not None}
+        configs.append(cfg)
+    targets = {tuple(sorted(c.target_modules)) for c in configs}
     if len(targets) != 1:
         raise AdapterError(f"adapters in one export must target the same modules, got {sorted(targets)}")
     states = [adapted.adapter_state(name) for name, _ in mixture]
-    rank = sum(c.r for c in configs if c is not None)
-    first = configs[0]
-    assert first is not None
-    config = LoraConfig(r=rank, alpha=float(rank), dropout=0.0, target_modules=first.target_modules)
+    rank = sum(c.r for c in configs)
+    config = LoraConfig(r=rank, alpha=float(rank), dropout=0.0, target_modules=configs[0].target_modules)
     tensors: dict[str, torch.Tensor] = {}
     for key in states[0]:
         if not key.endswith(".lora_A"):
@@ -54,7 +54,7 @@ def concat_adapters(
         path = key[: -len(".lora_A")]
         A = torch.cat([s[f"{path}.lora_A"].float() for s in states], dim=0)  # (r_sum, d)
         B = torch.cat(
-            [w * c.scaling * s[f"{path}.lora_B"].float()  # type: ignore[union-attr]
+            [w * c.scaling * s[f"{path}.lora_B"].float()
              for (_, w), c, s in zip(mixture, configs, states, strict=True)],
             dim=1,
         )  # (o, r_sum)

@@ -3,19 +3,23 @@
 Prompts are left-padded into batches, each row gets its adapter weights (``(B, K)`` over named
 adapters, the contract of ``adapters/context.py``) and HF ``generate`` decodes (the layers repeat each
 row's weights for beams). Serving's beam-search path (``serving/beam.py``) and training's
-validation of a client's local adapter (``training/local_gate.py``) both decode through it.
+validation of a client's local adapter (``training/federation/local_gate.py``) both decode through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from adapters.context import weight_matrix
 from adapters.device import module_device
 from adapters.inject import AdaptedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,10 @@ class GenerationConfig:
 def generate(
     adapted: AdaptedModel | None,
     model: torch.nn.Module,
-    tokenizer: object,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
     names: Sequence[str] = (),
-    weights: torch.Tensor | Sequence[Sequence[float]] | None = None,
+    weights: torch.Tensor | Sequence[Sequence[float]] | Sequence[float] | None = None,
     config: GenerationConfig = GenerationConfig(),
     autocast: object | None = None,
 ) -> list[str]:
@@ -69,34 +73,38 @@ def generate(
     device = module_device(model)
     w = _weights(names, weights, len(prompts)).to(device)
     outputs: list[str] = []
-    side = tokenizer.padding_side  # type: ignore[attr-defined]
-    tokenizer.padding_side = "left"  # type: ignore[attr-defined]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
     try:
         for start in range(0, len(prompts), config.batch_size):
             batch = list(prompts[start:start + config.batch_size])
-            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)  # type: ignore[operator]
+            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = {k: v.to(device) for k, v in enc.items()}  # the tokenizer gives CPU tensors
             kwargs = dict(
                 max_new_tokens=config.max_new_tokens,
                 num_beams=config.num_beams,
                 do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
-                eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
             )
             with torch.inference_mode(), (autocast() if callable(autocast) else _null()):
+                # HF's GenerationMixin.generate (ids without return_dict_in_generate); typed through
+                # nn.Module's __getattr__ it would read as Tensor | Module
+                hf_generate = cast("Callable[..., torch.Tensor]", model.generate)
                 if adapted is not None and names:
                     with adapted.context.use(tuple(names), w[start:start + len(batch)]):
-                        out = model.generate(**enc, **kwargs)  # type: ignore[operator]
+                        out = hf_generate(**enc, **kwargs)
                 else:
-                    out = model.generate(**enc, **kwargs)  # type: ignore[operator]
+                    out = hf_generate(**enc, **kwargs)
             new = out[:, enc["input_ids"].shape[1]:]
-            outputs.extend(t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True))  # type: ignore[attr-defined]
+            outputs.extend(t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True))
     finally:
-        tokenizer.padding_side = side  # type: ignore[attr-defined]
+        tokenizer.padding_side = side
     return outputs
 
 
-def _weights(names: Sequence[str], weights: object, n: int) -> torch.Tensor:
+def _weights(names: Sequence[str], weights: torch.Tensor | Sequence[Sequence[float]] | Sequence[float] | None,
+             n: int) -> torch.Tensor:
     if not names:
         return torch.zeros(n, 0, device="cpu")  # validated on the host, moved by the caller
     if weights is None:
@@ -104,7 +112,7 @@ def _weights(names: Sequence[str], weights: object, n: int) -> torch.Tensor:
     if isinstance(weights, torch.Tensor):
         w = weights
     else:  # rows of weights over the same names: the one builder (adapters.context.weight_matrix)
-        rows = [list(r) for r in weights] if weights and isinstance(weights[0], Sequence) else [list(weights)]  # type: ignore[index, arg-type]
+        rows = _rows(weights)
         w = weight_matrix([(tuple(names), r) for r in rows])[1] if all(len(r) == len(names) for r in rows) \
             else torch.tensor(rows, dtype=torch.float32)
     if w.dim() == 1:
@@ -114,6 +122,13 @@ def _weights(names: Sequence[str], weights: object, n: int) -> torch.Tensor:
     if w.dim() != 2 or w.shape != (n, len(names)):
         raise ValueError(f"weights must have shape ({n}, {len(names)}), got {tuple(w.shape)}")
     return w
+
+
+def _rows(weights: Sequence[Sequence[float]] | Sequence[float]) -> list[list[float]]:
+    """Rows of weights, or the one row ``weights`` is (the first item tells which: mypy cannot narrow on it)."""
+    if weights and isinstance(weights[0], Sequence):
+        return [list(r) for r in cast("Sequence[Sequence[float]]", weights)]
+    return [list(cast("Sequence[float]", weights))]
 
 
 class _null:

@@ -13,7 +13,9 @@ Paths, chosen per forward from the weights:
 from __future__ import annotations
 
 import math
+from collections.abc import ItemsView
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -70,6 +72,14 @@ class LoraAdapter(nn.Module):
             self.lora_B.zero_()
 
 
+if TYPE_CHECKING:
+    class _LoraAdapters(nn.ModuleDict):
+        """What :attr:`MultiLoraLinear.adapters` is to the type checker: a ModuleDict of LoraAdapters only."""
+
+        def __getitem__(self, key: str) -> LoraAdapter: ...
+        def items(self) -> ItemsView[str, LoraAdapter]: ...
+
+
 class MultiLoraLinear(nn.Module):
     """Wraps a frozen Linear: ``y = W0 x + sum_k w[k] s_k B_k A_k x`` with context-given weights.
 
@@ -86,7 +96,7 @@ class MultiLoraLinear(nn.Module):
         self.base_layer = base_layer
         self.context = context
         self.layer_name = name
-        self.adapters = nn.ModuleDict()
+        self.adapters = cast("_LoraAdapters", nn.ModuleDict())  # every value a LoraAdapter (add_adapter)
         self.merged: str | None = None
         self.token_proj: nn.Parameter | None = None  # a per-token router's projection (r, d): AMoLE's P
         self._original_weight: torch.Tensor | None = None
@@ -144,7 +154,7 @@ class MultiLoraLinear(nn.Module):
             raise AdapterError(
                 f"{self.layer_name} has no adapter {name!r}; loaded: {sorted(self.adapters.keys())}"
             )
-        return self.adapters[name]  # type: ignore[return-value]
+        return self.adapters[name]
 
     def invalidate_cache(self) -> None:
         """Forget stacked copies (call after changing adapter tensors in place)."""
@@ -220,7 +230,7 @@ class MultiLoraLinear(nn.Module):
         key = (present, scalings, int(x3.shape[0]), int(x3.shape[1]), x3.device)
         plan = state.plans.get(key)
         if plan is not None:
-            return plan  # type: ignore[return-value]
+            return cast(_Plan, plan)  # the context's memo holds only what this method stores below
         weights = self._rows_for(state, x3).to(device=x3.device)
         if weights.dim() == 3 and weights.shape[1] != x3.shape[1]:
             raise AdapterError(
@@ -256,8 +266,9 @@ class MultiLoraLinear(nn.Module):
     def _tensors(self, state: AdapterWeights, name: str,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, LoraAdapter]:
         """Adapter ``name``'s A and B in the activations' dtype (fp32 adapters in a bf16 model)."""
-        adapter: LoraAdapter = self.adapters[name]  # type: ignore[assignment]
-        A, B = adapter.lora_A, adapter.lora_B
+        adapter = self.adapters[name]
+        A: torch.Tensor = adapter.lora_A
+        B: torch.Tensor = adapter.lora_B
         if state.trainable is not None and name not in state.trainable:
             A, B = A.detach(), B.detach()
         if A.dtype != dtype:  # a differentiable cast: fp32 master weights still get their gradients
@@ -312,7 +323,7 @@ class MultiLoraLinear(nn.Module):
             )
         ok = self.merged in state.names
         if ok:
-            k = state.names.index(self.merged)  # type: ignore[arg-type]
+            k = state.names.index(self.merged)
             expected = torch.zeros_like(weights)
             expected[..., k] = 1.0
             ok = bool(torch.equal(weights, expected))

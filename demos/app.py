@@ -92,10 +92,10 @@ def build_app(client: ApiClient) -> gr.Blocks:
         app.load(h.refresh, inputs=[target], outputs=listing)
         app.load(h.evaluation, outputs=[eval_tables, eval_plots, eval_status])
         eval_refresh.click(h.evaluation, outputs=[eval_tables, eval_plots, eval_status])
-        chat_io = dict(fn=h.chat, inputs=[prompt, chatbot, target, fmt, max_tokens, temperature],
-                       outputs=[chatbot, prompt, route, extension, heat])
-        send.click(**chat_io)
-        prompt.submit(**chat_io)
+        chat_in = [prompt, chatbot, target, fmt, max_tokens, temperature]
+        chat_out = [chatbot, prompt, route, extension, heat]
+        send.click(fn=h.chat, inputs=chat_in, outputs=chat_out)
+        prompt.submit(fn=h.chat, inputs=chat_in, outputs=chat_out)
         clear.click(lambda: ([], "", None, gr.update(visible=False)), outputs=[chatbot, route, extension, heat])
         compare_btn.click(h.compare, inputs=[compare_client, compare_prompt, fmt, max_tokens, temperature],
                           outputs=[out_global, out_local, out_combined, compare_route])

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-# The FedDPA papers' short Alpaca template (paper 000, METHODS.md 2.3): what the adapters were trained on.
+# The FedDPA papers' short Alpaca template (paper 000, docs/methods.md 2.3): what the adapters were trained on.
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 INSTRUCTION_STOP = ("### Instruction",)
 

@@ -141,9 +141,9 @@ class Handlers:
                 temperature: float) -> tuple[str, str, str, str]:
         """The same prompt to ``global``, ``<client>:local`` and ``<client>`` (FedDPA): three answers + route."""
         if not client:
-            return ("⚠️ pick a client",) * 3 + ("",)  # type: ignore[return-value]
+            return ("⚠️ pick a client",) * 3 + ("",)
         if not prompt or not prompt.strip():
-            return ("⚠️ type a prompt first",) * 3 + ("",)  # type: ignore[return-value]
+            return ("⚠️ type a prompt first",) * 3 + ("",)
         targets = ("global", f"{client}:local", client)
 
         def ask(target: str) -> StreamUpdate | Exception:

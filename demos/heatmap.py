@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from matplotlib.figure import Figure
 
@@ -41,7 +41,7 @@ class ExpertUsage:
     tokens: int | None = None
 
 
-def _number(x: Any) -> bool:
+def _number(x: Any) -> TypeGuard[int | float]:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
@@ -56,8 +56,10 @@ def _from_report(node: Mapping[str, Any]) -> ExpertUsage | None:
     if all(isinstance(v, list) and all(_number(x) for x in v) for v in rows.values()):
         width = max(len(v) for v in rows.values())
         ids = node.get("experts")
-        fits = isinstance(ids, list) and len(ids) == width
-        experts = [str(e) for e in ids] if fits else [str(j) for j in range(width)]
+        if isinstance(ids, list) and len(ids) == width:
+            experts = [str(e) for e in ids]
+        else:
+            experts = [str(j) for j in range(width)]
         matrix = [tuple(float(x) for x in rows[layer]) + (0.0,) * (width - len(rows[layer])) for layer in layers]
     else:
         parsed = _from_nested(rows)
@@ -95,7 +97,8 @@ def find_expert_usage(extension: Mapping[str, Any] | None, depth: int = 3) -> Ex
     """
     if not isinstance(extension, Mapping) or depth < 0:
         return None
-    node = extension.get("info") if isinstance(extension.get("info"), Mapping) else extension
+    info = extension.get("info")
+    node = info if isinstance(info, Mapping) else extension
     found = _from_report(node) or _from_nested(node)
     if found is not None:
         return found

@@ -3,7 +3,7 @@
 FedDPA (paper 000 section 4.3) mixes a client's global and local adapters as ``(1 - a, a)`` with
 ``a = lambda * mean cosine`` between the prompt's representation and S of the client's local
 instances, clipped to [0, 1]; the server reports ``a``, lambda, S, the similarity and the sampling
-mode in ``fedmosaic.info`` (or ``source: fixed`` with the run's alpha). Calibrated weighting (issue 19)
+mode in ``fedmosaic.info`` (or ``source: fixed`` with the run's alpha). Calibrated weighting
 reports the prompt's score (by default minus its squared Mahalanobis distance to the client's instances)
 with the client's own and background levels instead. These functions turn the
 ``fedmosaic`` field and ``/v1/models`` entries into Markdown and table rows; they never compute a
@@ -76,7 +76,8 @@ def route_markdown(extension: Mapping[str, Any] | None) -> str:
     elif mode == "mixture":
         lines.append("an explicit mixture from the request's `adapters` field")
     elif mode == "amole":
-        usage = info.get("expert_usage") if isinstance(info.get("expert_usage"), Mapping) else {}
+        found = info.get("expert_usage")
+        usage = found if isinstance(found, Mapping) else {}
         k, tokens = info.get("top_k", usage.get("top_k", "k")), usage.get("tokens")
         shared = " plus the shared expert at weight 1" if info.get("shared_expert") else ""
         lines.append(f"obtained: **per token** — in every adapted layer each token goes to the top-{k} of the "
@@ -110,7 +111,8 @@ def route_summary(extension: Mapping[str, Any] | None) -> str:
             return f"{head} · instance-wise"
         return f"{head} · fixed (the run's α)"
     if mode == "amole":
-        usage = info.get("expert_usage") if isinstance(info.get("expert_usage"), Mapping) else {}
+        found = info.get("expert_usage")
+        usage = found if isinstance(found, Mapping) else {}
         k = info.get("top_k", usage.get("top_k", "k"))
         tokens = f", {usage['tokens']} tokens" if "tokens" in usage else ""
         return f"AMoLE · top-{k} of the client's experts per token{tokens}"

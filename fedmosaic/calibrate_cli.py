@@ -12,7 +12,7 @@ that way: a client whose index was pooled otherwise (``embeddings.kind.json``; n
 rebuilt from its training instances, re-read from the run's data set as ``run.json`` records it and
 embedded with the final global adapter, then calibrated; ``--rebuild-index`` rebuilds it whatever its
 pooling. Each client's index is built from that client's own instances only. A client's gate (the check
-of its local adapter on held-out examples at the end of training, :mod:`training.local_gate`) is kept;
+of its local adapter on held-out examples at the end of training, :mod:`training.federation.local_gate`) is kept;
 ``--gate`` checks every client's local adapter again on its held-out examples (a run trained with
 ``--hold-out``, before the check existed or under another rule; ``--gate-alpha`` sets the sign test's level).
 """
@@ -31,13 +31,13 @@ from adapters import inject, load_adapter, read_adapter_folder
 from adapters.rundir import RunDir
 from models import load_base_model, settings
 from routing.background import background_id
-from routing.base import RoutingError
+from routing.base import Pooling, RoutingError
 from routing.cache import EmbeddingIndex, index_pooling
-from routing.calibration import CALIBRATION_FILE, STATISTICS, Calibration, calibrate
-from routing.embedding import POOLINGS, Pooling, embed_prompts
+from routing.calibration import CALIBRATION_FILE, STATISTICS, Calibration, Statistic, calibrate
+from routing.embedding import POOLINGS, embed_prompts
 from training.data import load_run_dataset
-from training.local_gate import ALPHA, check_local
-from training.personalize import background_prompts, instance_prompts, write_index
+from training.federation.local_gate import ALPHA, check_local
+from training.federation.personalize import background_prompts, instance_prompts, write_index
 
 
 def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -69,10 +69,10 @@ def add_calibrate_arguments(sub: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str = "mahalanobis", k: int = 5,
-                  background_quantile: float | None = None, dtype: str | None = None, device: str | None = None,
-                  embedding: str | None = None, rebuild: bool = False, gate: bool = False,
-                  alpha: float = ALPHA) -> dict[str, Any]:
+def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: Statistic = "mahalanobis", k: int = 5,
+                  background_quantile: float | None = None, dtype: settings.DType | None = None,
+                  device: str | None = None, embedding: Pooling | None = None, rebuild: bool = False,
+                  gate: bool = False, alpha: float = ALPHA) -> dict[str, Any]:
     """Write ``embeddings.calibration.json`` for every client of ``run_dir`` that has an embedding index.
 
     Args:
@@ -86,7 +86,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
         device: where the model runs.
         embedding: ``last`` or ``mean``: rebuild every index pooled otherwise (None: keep each client's).
         rebuild: rebuild every index from the client's training instances.
-        gate: check each client's local adapter again on its held-out examples (``training.local_gate``).
+        gate: check each client's local adapter again on its held-out examples (``training.federation.local_gate``).
         alpha: the gate's sign-test level.
 
     Returns:
@@ -107,7 +107,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
     if not (run.global_adapter / "adapter_config.json").is_file():
         raise ValueError(f"{run.root} has no global adapter ({run.global_adapter})")
     stored = {c: index_pooling(run.client_dir(c)) for c in clients}
-    wanted: dict[str, Pooling] = {c: embedding or stored[c] for c in clients}  # type: ignore[misc]
+    wanted: dict[str, Pooling] = {c: embedding or stored[c] for c in clients}
     redo = {c for c in clients if rebuild or wanted[c] != stored[c]}
     lambda_ = gate_weight(run, cfg, clients) if gate else 0.0
     # the data set is read only when an index is re-embedded or a gate checked, before the model loads (a bad
@@ -116,7 +116,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
     lost = sorted((set(clients) if gate else redo) - set(data))
     if lost:
         raise ValueError(f"the data set of {run.root} names no clients {lost}: their index cannot be rebuilt")
-    loaded = load_base_model(model or cfg.get("model", "smollm2"), dtype=dtype, device=device)  # type: ignore[arg-type]
+    loaded = load_base_model(model or cfg.get("model", "smollm2"), dtype=dtype, device=device)
     lora, _, _ = read_adapter_folder(run.global_adapter)
     adapted = inject(loaded.model, lora.target_modules)
     load_adapter(adapted, run.global_adapter, "global", check_base=False)
@@ -134,7 +134,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: str 
             backgrounds[pooling] = embed(background_prompts(loaded.tokenizer, style), pooling)
         vectors = embed(instance_prompts(data[client], loaded.tokenizer, style), pooling) if client in redo \
             else np.load(run.embeddings(client), allow_pickle=False)
-        cal = calibrate(vectors, backgrounds[pooling], statistic, k, background_quantile,  # type: ignore[arg-type]
+        cal = calibrate(vectors, backgrounds[pooling], statistic, k, background_quantile,
                         background_id())
         if gate:
             load_adapter(adapted, run.local_adapter(client), "local", check_base=False, replace=True)
@@ -174,7 +174,7 @@ def gate_weight(run: RunDir, cfg: dict[str, Any], clients: list[str]) -> float:
 def kept_gate(cal: Calibration, folder: Path) -> Calibration:
     """``cal`` with the gain and gate of ``folder``'s current calibration, if that one holds a gate.
 
-    The gate is a verdict on the client's adapters from its held-out examples (``training.local_gate``),
+    The gate is a verdict on the client's adapters from its held-out examples (``training.federation.local_gate``),
     not on its index: rebuilding the calibration or the index keeps it. An unreadable old file has none.
     """
     try:

@@ -1,7 +1,7 @@
 """The ``fedmosaic`` command: a thin argparse layer over the packages (no logic lives here).
 
 Built in: ``models`` (prepare/verify/list base models, write a tiny test model) and ``generate`` (a few
-greedy tokens with adapters). The others (``train``, ``eval``, ``serve``, ``batch``, ``data``,
+greedy tokens with adapters). The others (``train``, ``eval``, ``reproduce``, ``serve``, ``batch``, ``data``,
 ``quickstart``, ``demo``) are registered by their own modules through :mod:`fedmosaic.plugins`, which
 names the optional extra each needs; heavy imports happen only when a subcommand runs.
 """
@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     prompt = args.prompt
     if args.chat:
-        prompt = tok.apply_chat_template(  # type: ignore[attr-defined]
+        prompt = tok.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
     else:

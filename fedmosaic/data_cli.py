@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from models import settings
-from training.data import DataError, FederatedDataset, Record, format_prompt, load_dataset
+from training.data import DATA_DIR_HELP, DataError, FederatedDataset, Record, data_dir, format_prompt, load_dataset
 
 # Every named data set, in the order listed, with what it is (the loaders define what each name reads).
 CATALOGUE: dict[str, str] = {
@@ -64,8 +63,8 @@ def _load(name: str) -> FederatedDataset:
 
 def catalogue() -> str:
     """Every named data set: its description and client table, or why it cannot be loaded here."""
-    root = settings.data_dir()
-    lines = [f"benchmark data folder: {root if root is not None else 'none (set FEDMOSAIC_DATA_DIR)'}", ""]
+    root = data_dir()
+    lines = [f"benchmark data folder: {root if root is not None else f'none ({DATA_DIR_HELP})'}", ""]
     for name, description in CATALOGUE.items():
         lines.append(f"{name}: {description}")
         try:

@@ -46,6 +46,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "federated training in the in-process simulator"),
     Subcommand("eval", "fedmosaic.evaluation.cli", "add_eval_arguments", "run_eval", ("train",),
                "evaluate run directories in the layout of paper 000 Table 1"),
+    Subcommand("reproduce", "fedmosaic.reproduce.cli", "add_reproduce_arguments", "run_reproduce", ("train",),
+               "paper 000 Table 1: train, evaluate and tabulate its cells"),
     Subcommand("serve", "serving.cli", "add_serve_arguments", "run_serve", ("serve",),
                "OpenAI-compatible server for the base model and its adapters"),
     Subcommand("batch", "serving.cli", "add_batch_arguments", "run_batch", ("serve",),

@@ -10,10 +10,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from models import settings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class LoadedModel:
     """
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     name: str
     dtype: settings.DType
 
@@ -57,7 +61,9 @@ def compute_context(dtype: settings.DType, device_type: str = "cpu") -> contextl
     return contextlib.nullcontext()
 
 
-def frozen(model: torch.nn.Module, tokenizer: object, name: str, dtype: settings.DType) -> LoadedModel:
+def frozen(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, name: str, dtype: settings.DType
+) -> LoadedModel:
     """Put ``model`` in eval mode with every parameter frozen, give ``tokenizer`` a pad token, wrap both.
 
     Args:
@@ -72,7 +78,7 @@ def frozen(model: torch.nn.Module, tokenizer: object, name: str, dtype: settings
     if dtype == "autocast-bf16":
         store_linear_bf16(model)
     if getattr(tokenizer, "pad_token", None) is None:
-        tokenizer.pad_token = tokenizer.eos_token  # type: ignore[attr-defined]
+        tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=dtype)
 
 
@@ -91,7 +97,8 @@ def store_linear_bf16(model: torch.nn.Module) -> int:
     Returns:
         The number of weights re-stored.
     """
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_input_embeddings = getattr(model, "get_input_embeddings", None)  # HF models have it, a bare Module not
+    embeddings = get_input_embeddings() if get_input_embeddings is not None else None
     tied = {id(embeddings.weight)} if embeddings is not None else set()
     count = 0
     for module in model.modules():

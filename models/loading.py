@@ -58,7 +58,7 @@ def load_base_model(
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as exc:
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
-    model.to(target)
+    model.to(target)  # type: ignore[arg-type]  # transformers' @wraps'd .to reads unbound
     if path != name_or_path:
         # The cache folder differs per machine; adapters record the model's canonical name instead.
         model.config.name_or_path = SMOLLM2_HUB_ID

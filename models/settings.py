@@ -1,4 +1,4 @@
-"""Process-wide settings read from the environment: cache and data folders, device, dtype.
+"""Process-wide settings read from the environment: the model cache folder, device, dtype.
 
 One place for the paths every command shares, so that tests, CLI and benchmarks agree. Values are
 read when asked for (not at import), so a test can set an environment variable and see it.
@@ -10,7 +10,7 @@ import argparse
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 DType = Literal["float32", "bfloat16", "autocast-bf16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "autocast-bf16")
 
-# Measured with bench/dtype_speed.py on 2-core CPUs. With native bf16 (AVX512-BF16 or AMX) bf16 autocast
+# Measured with bench/training/dtype_speed.py on 2-core CPUs. With native bf16 (AVX512-BF16 or AMX) bf16 autocast
 # runs a LoRA training step 1.65x and a decode 1.47x as fast as fp32, keeping fp32 master weights. Without
 # it bf16 is emulated: on an Ice Lake Xeon (AVX-512, no BF16) autocast ran 0.37x (training) and 0.39x
 # (decode) of fp32, so such CPUs default to fp32.
@@ -41,19 +41,6 @@ def cache_dir() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "fedmosaic"
-
-
-def data_dir() -> Path | None:
-    """Return the benchmark data folder, or None when there is none.
-
-    ``FEDMOSAIC_DATA_DIR`` wins; otherwise ``../shared/data`` beside the repository when it exists.
-    """
-    env = os.environ.get("FEDMOSAIC_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    repo = Path(__file__).resolve().parent.parent
-    candidate = repo.parent / "shared" / "data"
-    return candidate if candidate.is_dir() else None
 
 
 def cpu_has_native_bf16() -> bool:
@@ -81,7 +68,7 @@ def default_dtype(device: torch.device | str | None = None) -> DType:
         return DEFAULT_DTYPE if cpu_has_native_bf16() else FALLBACK_CPU_DTYPE
     if value not in DTYPES:
         raise ValueError(f"FEDMOSAIC_DTYPE must be one of {DTYPES}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return cast(DType, value)  # one of DTYPES, the values of DType
 
 
 def check_device_spec(spec: str, source: str = "device") -> str:
@@ -132,7 +119,7 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     if not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else " has no CUDA support")
         raise ValueError(f"device {spec!r} asked for, but torch sees no CUDA device ({build}); "
-                         "use --device cpu (or auto), or install a CUDA build of torch (README, GPU)")
+                         "use --device cpu (or auto), or install a CUDA build of torch (docs/gpu.md)")
     count = torch.cuda.device_count()
     index = int(text.partition(":")[2]) if ":" in text else torch.cuda.current_device()
     if index >= count:

@@ -11,11 +11,15 @@ from __future__ import annotations
 import functools
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, Unpack, cast
 
 import torch
 
 from models import settings
 from models.loaded import LoadedModel, frozen
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -54,7 +58,7 @@ def _tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def tiny_tokenizer(vocab_size: int = 512) -> object:
+def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """Return a deterministic ``PreTrainedTokenizerFast`` built offline (byte-level BPE)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -102,7 +106,7 @@ def tiny_llama(
 
     tokenizer = tiny_tokenizer(vocab_size)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -123,14 +127,27 @@ def tiny_llama(
     model.config.name_or_path = "fedmosaic/tiny-llama"
     if dtype not in settings.DTYPES:
         raise ValueError(f"dtype must be one of {settings.DTYPES}, got {dtype!r}")
-    model.to(device=settings.resolve_device(device), dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    target, torch_dtype = settings.resolve_device(device), torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    model.to(device=target, dtype=torch_dtype)  # type: ignore[call-arg]  # transformers' @wraps'd .to reads unbound
     return frozen(model, tokenizer, "tiny", dtype)  # the name that loads it again (run.json records it)
 
 
-def save_tiny_llama(folder: Path, **kwargs: int) -> Path:
+class TinySize(TypedDict, total=False):
+    """The integer options of :func:`tiny_llama` (the sizes and the seed), for :func:`save_tiny_llama`."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    seed: int
+
+
+def save_tiny_llama(folder: Path, **kwargs: Unpack[TinySize]) -> Path:
     """Write a tiny random Llama and its tokenizer as a normal HF model folder."""
     loaded = tiny_llama(**kwargs)
     folder.mkdir(parents=True, exist_ok=True)
-    loaded.model.save_pretrained(str(folder))  # type: ignore[attr-defined]
-    loaded.tokenizer.save_pretrained(str(folder))  # type: ignore[attr-defined]
+    cast("PreTrainedModel", loaded.model).save_pretrained(str(folder))  # tiny_llama's model is a LlamaForCausalLM
+    loaded.tokenizer.save_pretrained(str(folder))
     return folder

@@ -11,10 +11,10 @@ decisions into the ``(B, K)`` matrix ``AdaptedModel.context.use`` applies to eve
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -22,6 +22,7 @@ from adapters import AdapterError
 
 GLOBAL = "global"  # the global adapter's name, in a run directory, a server and a decision
 LOCAL_SUFFIX = ":local"  # a client's local adapter is served as ``<client>:local``
+Pooling = Literal["last", "mean"]  # a prompt's representation: its last token's final-layer state, or their mean
 
 
 def local_name(client: str) -> str:
@@ -103,21 +104,28 @@ class RoutingDecision:
 class WeightRouter(Protocol):
     """Adapter weights for one client's request: the contract between routing and serving.
 
-    Given the client and (when ``uses_state``) the final-layer state of the prompt's last token taken
-    during prefill with the global adapter on (paper 000 section 4.3), a router returns a
-    :class:`RoutingDecision` over adapter names as the server knows them (``global``,
-    ``<client>:local``). The serving engine asks for the state only when ``uses_state`` is True. A router
-    may also declare ``pooling = "mean"``: it is then handed the mean of the prompt's final-layer states
-    instead of the last token's (paper 000 Table 10; absent: ``last``). A router declaring
-    ``reads_prompt_ids = True`` is also given the prompt's token ids as ``prompt_ids`` (to key a seeded
-    random choice on the prompt: the state varies by float rounding with the batch and a reused
-    prompt prefix).
+    Given the client and (when ``uses_state``) the prompt's final-layer state taken during prefill with
+    the global adapter on (paper 000 section 4.3), a router returns a :class:`RoutingDecision` over
+    adapter names as the server knows them (``global``, ``<client>:local``). What the engine gives a
+    router is declared here, so a caller follows it from the signature:
+
+    * ``uses_state``: the engine runs the routing pass and hands over the state only when True (else
+      ``hidden_state`` is None);
+    * ``pooling``: that state is the last prompt token's (``last``, the paper) or the mean over the
+      prompt's tokens (``mean``, paper 000 Table 10);
+    * ``prompt_ids``: the prompt's token ids, always handed over with a state; a router may key a
+      seeded random choice on them (the state varies by float rounding with the batch and a reused
+      prompt prefix) or ignore them.
     """
 
     @property
     def uses_state(self) -> bool: ...
 
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision: ...
+    @property
+    def pooling(self) -> Pooling: ...
+
+    def __call__(self, client: str, hidden_state: torch.Tensor | None,
+                 prompt_ids: Sequence[int] | None = None) -> RoutingDecision: ...
 
 
 def check_fraction(value: float, what: str) -> float:

@@ -26,9 +26,9 @@ import numpy as np
 
 from adapters import AdapterError
 from adapters.rundir import check_client_id
-from routing.base import RoutingError, StoredRoutingError
+from routing.base import Pooling, RoutingError, StoredRoutingError
 from routing.calibration import CALIBRATION_FILE, Calibration, Scorer, fingerprint
-from routing.embedding import Pooling, check_pooling
+from routing.embedding import check_pooling
 
 STEM = "embeddings"
 KIND_FORMAT = 1

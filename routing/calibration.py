@@ -2,7 +2,7 @@
 
 The paper's weight ``a = lambda * mean cos(w_x, w_{x_i})`` compares final-layer last-token states, and
 those share one dominant direction: any two prompts of one model are at cosine 0.9 or more, so ``a``
-hardly moves between a client's own task and any other (issue 19: 0.49 vs 0.44 at lambda 0.5). The
+hardly moves between a client's own task and any other (0.49 vs 0.44 at lambda 0.5). The
 calibrated rule keeps the paper's idea (similarity to the client's own instances, computed with the
 global adapter on) and fixes the estimator:
 
@@ -28,10 +28,10 @@ global adapter on) and fixes the estimator:
    test prompts and remain only for clients too small to split).
    The cosines' map is a ramp between ``o``, the held-out scores' lower quartile, and ``b`` (there the
    highest background score):
-   ``a = lambda * clip((s - b) / (o - b), 0, 1)`` (README, "Instance-wise weighting").
+   ``a = lambda * clip((s - b) / (o - b), 0, 1)`` (docs/feddpa-weighting.md).
 4. **Gate** ``lambda`` by the client's ``gain`` (format 3): 0 unless the client's local adapter, mixed in,
    answered its held-out examples better than the global adapter alone at the end of training, by a
-   higher mean and a sign test (``training.local_gate``); 1 when it did, or without a check.
+   higher mean and a sign test (``training.federation.local_gate``); 1 when it did, or without a check.
 
 Only the client's own instances and public prompts enter a calibration, so it keeps the isolation of
 the index it sits beside (``embeddings.calibration.json``); a fingerprint of the instance vectors
@@ -95,7 +95,7 @@ class Calibration:
             the ramp between ``background`` and ``own``).
         own_quantile: the share ``q`` of own scores below the level that gets the full ``lambda``.
         gain: the client's gate on ``lambda`` (0 or 1): 0 unless its local adapter did better than the
-            global alone on its held-out examples at the end of training (``training.local_gate``), so
+            global alone on its held-out examples at the end of training (``training.federation.local_gate``), so
             that the client is served the global adapter; 1 when it did, or without a check.
         gate: what the gate measured (mean scores per weight, wins, losses, sign-test p, examples,
             metric; empty: no check).

@@ -7,7 +7,7 @@ embedded by this one function so their cosines compare like with like.
 
 ``pooling="mean"`` is paper 000's Table 10 ablation (average-token embedding): the mean of the
 final-layer states over the prompt's real tokens. (The reference code's ``emb_type='avg'`` also
-averages the padding positions of its batch, METHODS.md 2.4; a prompt's embedding here does not
+averages the padding positions of its batch, docs/methods.md 2.4; a prompt's embedding here does not
 depend on what it was batched with.) An index records its pooling (``routing.cache``): a request is
 compared only with instances pooled the same way.
 """
@@ -16,15 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
 from adapters import AdaptedModel, module_device
-from routing.base import RoutingError
+from routing.base import Pooling, RoutingError
 
-Pooling = Literal["last", "mean"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 POOLINGS: tuple[str, ...] = ("last", "mean")
 
 
@@ -32,7 +34,7 @@ def check_pooling(pooling: str) -> Pooling:
     """Return ``pooling`` if it is ``last`` or ``mean``, else raise RoutingError."""
     if pooling not in POOLINGS:
         raise RoutingError(f"FedDPA embedding must be 'last' (last token) or 'mean' (average token), got {pooling!r}")
-    return pooling  # type: ignore[return-value]
+    return cast(Pooling, pooling)  # one of POOLINGS, the values of Pooling
 
 
 def pool_states(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling = "last") -> torch.Tensor:
@@ -112,7 +114,7 @@ def decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def embed_prompts(
-    model: torch.nn.Module, adapted: AdaptedModel | None, tokenizer: object, prompts: Sequence[str],
+    model: torch.nn.Module, adapted: AdaptedModel | None, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],
     names: Sequence[str] = (), batch_size: int = 16,
     autocast: Callable[[], AbstractContextManager[object]] | None = None, pooling: Pooling = "last",
 ) -> np.ndarray:
@@ -140,12 +142,12 @@ def embed_prompts(
     prompts = list(prompts)
     if not prompts:
         return np.zeros((0, 0), dtype=np.float32)
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]  # type: ignore[operator]
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     order = sorted(range(len(prompts)), key=lambda i: lengths[i])
     out: np.ndarray | None = None
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,  # type: ignore[operator]
+        enc = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,
                         add_special_tokens=False)
         with autocast() if autocast is not None else nullcontext():
             states = last_token_state(model, adapted, enc["input_ids"], enc["attention_mask"], names,

@@ -17,7 +17,7 @@ its local adapter did no better than the global on held-out examples) and an unr
 the sampling mode do not apply to it. A client without a calibration is weighted by the paper's rule
 (the decision's ``info`` says so).
 
-The reference code (METHODS.md section 2.4 and section 6 item 4) differs: it embeds with the LOCAL
+The reference code (docs/methods.md section 2.4 and section 6 item 4) differs: it embeds with the LOCAL
 adapter, does not clip the cosine, and gives ``a`` to the GLOBAL adapter. ``variant="reference"``
 reproduces the weight assignment ``(a, 1 - a)``; which adapter is on while embedding is the caller's
 choice (``routing.embedding``), and ``clip=False`` drops the clipping.
@@ -41,21 +41,21 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
 
-from routing.base import GLOBAL, RoutingDecision, RoutingError, local_name
+from routing.base import GLOBAL, Pooling, RoutingDecision, RoutingError, local_name
 from routing.cache import EmbeddingIndex
-from routing.embedding import Pooling, check_pooling
+from routing.embedding import check_pooling
 
 Mode = Literal["random", "knn"]
 Variant = Literal["paper", "reference"]
 Weighting = Literal["paper", "calibrated"]
 WEIGHTINGS: tuple[str, ...] = ("paper", "calibrated")
 # The instance-wise rule served and evaluated by default: calibrated separates a client's own task from
-# the others where the paper's rule does not (README, "Instance-wise weighting", measured figures).
+# the others where the paper's rule does not (docs/feddpa-weighting.md, measured figures).
 DEFAULT_WEIGHTING: Weighting = "calibrated"
 Similarity = Literal["cosine", "neg_l2", "pearson"]
 SIMILARITIES: tuple[str, ...] = ("cosine", "neg_l2", "pearson")
@@ -71,7 +71,7 @@ def similarity_name(text: str) -> Similarity:
     name = str(text).strip().lower().replace("-", "_")
     if name not in SIMILARITIES:
         raise RoutingError(f"FedDPA similarity must be cosine, neg-l2 or pearson, got {text!r}")
-    return name  # type: ignore[return-value]
+    return cast(Similarity, name)  # one of SIMILARITIES, the values of Similarity
 
 
 def ablated(similarity: str = "cosine", variant: str = "paper") -> list[str]:
@@ -97,7 +97,7 @@ def resolve_weighting(rule: str | None, similarity: str = "cosine", variant: str
     if rule == "calibrated" and other:
         raise RoutingError(f"the calibrated FedDPA weighting is defined for cosine similarity and the paper variant, "
                            f"not {' and '.join(other)}: use --feddpa-weighting paper with it")
-    return rule  # type: ignore[return-value]
+    return cast(Weighting, rule)  # one of WEIGHTINGS, the values of Weighting
 
 
 def similarities(query: np.ndarray, vectors: np.ndarray, kind: Similarity = "cosine") -> np.ndarray:

@@ -18,8 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from routing.base import RoutingError
-from routing.embedding import Pooling, check_pooling
+from routing.base import Pooling, RoutingError
+from routing.embedding import check_pooling
 from routing.feddpa import FedDPARouter, Mode, Similarity, Variant, Weighting, resolve_weighting, similarity_name
 
 Routing = Literal["instance", "fixed"]
@@ -42,8 +42,8 @@ class FedDPAOptions:
 
     routing: Routing = _option("instance", "<client> targets: instance-wise weights from the run's embeddings "
                                "(default), or the run's fixed weight (older spelling of --feddpa-weighting)")
-    weighting: Rule | None = _option(None, "<client> weighting: calibrated (default; README, 'Instance-wise "
-                                     "weighting'), paper (lambda * mean cosine) or fixed (the run's alpha); "
+    weighting: Rule | None = _option(None, "<client> weighting: calibrated (default; docs/feddpa-weighting.md), "
+                                     "paper (lambda * mean cosine) or fixed (the run's alpha); "
                                      "unset: follows routing (instance: calibrated, paper for an ablation)")
     samples: int = _option(5, "S, the client's local instances each request is compared with")
     mode: Mode = _option("random", "S drawn at random (the paper) or the S nearest (knn)")

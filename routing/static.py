@@ -8,11 +8,11 @@ explicit-mixture extension field) and FedDPA without the dynamic weighting of pa
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from routing.base import GLOBAL, RoutingDecision, RoutingError, check_fraction, local_name
+from routing.base import GLOBAL, Pooling, RoutingDecision, RoutingError, check_fraction, local_name
 
 
 def _check_known(names: Sequence[str], known: Collection[str] | None) -> None:
@@ -113,11 +113,13 @@ class FixedWeightRouter:
     """
 
     alpha: float
-    uses_state: bool = False
+    uses_state: bool = field(default=False, init=False)  # no state read, so no routing pass and no pooling
+    pooling: Pooling = field(default="last", init=False)
 
     def __post_init__(self) -> None:
         check_fraction(self.alpha, "alpha")
 
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision:
-        """The fixed decision for ``client`` (the state is not read)."""
+    def __call__(self, client: str, hidden_state: torch.Tensor | None,
+                 prompt_ids: Sequence[int] | None = None) -> RoutingDecision:
+        """The fixed decision for ``client`` (neither the state nor the prompt is read)."""
         return fixed_feddpa(self.alpha, client)

@@ -4,7 +4,7 @@ Input: one request per line, in the OpenAI / vLLM batch-file format
 ``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}``
 or a bare request body (chat when it has ``messages``, completion when it has ``prompt``; its
 custom_id is ``line-<n>``). Bodies are validated by the HTTP API's own models and answered by its own
-builders (:mod:`serving.openai.protocol`, :mod:`serving.openai.builders`), so a line gets the response body
+builders (:mod:`serving.openai.schemas`, :mod:`serving.openai.builders`), so a line gets the response body
 the server would send, ``fedmosaic`` extension field included (with the FedDPA routing details: the
 batch runner is the operator's own tool). A line asking for several choices (``n``, a batch of
 prompts) runs them all and is answered once the last one finished.
@@ -34,16 +34,19 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
 from serving.openai import builders
 from serving.openai.builders import Choice, Limits
 from serving.openai.errors import error_payload, validation_payload
-from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serving.openai.responses import Answer, ChatShape, CompletionShape
-from serving.stack import Job, Outcome
+from serving.openai.schemas import ChatCompletionRequest, CompletionRequest
+from serving.stack import Job, JobOutcome
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
 class Executor(Protocol):
     """What runs the requests: :class:`serving.stack.ServingStack` or the optional vLLM backend."""
 
-    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]: ...
+    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[JobOutcome]: ...
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ def output_line(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, 
             "error": error}
 
 
-def _jobs(line: Line, tokenizer: object, config: BatchConfig) -> list[tuple[Choice, Job]]:
+def _jobs(line: Line, tokenizer: PreTrainedTokenizerBase, config: BatchConfig) -> list[tuple[Choice, Job]]:
     """The engine jobs of a valid line, one per choice (raises InvalidRequest on template or limit errors)."""
     body = line.body
     assert body is not None
@@ -203,8 +206,8 @@ def _jobs(line: Line, tokenizer: object, config: BatchConfig) -> list[tuple[Choi
             for i, c in enumerate(builders.choices(body, tokenizer, config.limits()))]
 
 
-def _answer(line: Line, tokenizer: object, choices: list[Choice], outcomes: list[Outcome], created: int
-            ) -> tuple[int, dict[str, Any]]:
+def _answer(line: Line, tokenizer: PreTrainedTokenizerBase, choices: list[Choice], outcomes: list[JobOutcome],
+            created: int) -> tuple[int, dict[str, Any]]:
     body = line.body
     assert body is not None
     failed = next((o.error for o in outcomes if o.error is not None), None)
@@ -227,7 +230,7 @@ def _answer(line: Line, tokenizer: object, choices: list[Choice], outcomes: list
         return error_payload(exc)
 
 
-def run_batch(executor: Executor, tokenizer: object, input_path: str | Path, output_path: str | Path,
+def run_batch(executor: Executor, tokenizer: PreTrainedTokenizerBase, input_path: str | Path, output_path: str | Path,
               config: BatchConfig = BatchConfig(), progress: bool = True) -> BatchSummary:
     """Answer every line of ``input_path`` into ``output_path`` (see the module docstring).
 
@@ -286,7 +289,7 @@ def run_batch(executor: Executor, tokenizer: object, input_path: str | Path, out
                 continue
             jobs += [job for _, job in pairs]
             by_n[line.n] = (line, [choice for choice, _ in pairs])
-        arrived: dict[int, dict[int, Outcome]] = {}
+        arrived: dict[int, dict[int, JobOutcome]] = {}
         for outcome in executor.run(jobs, config.window):
             n, i = outcome.job.key
             line, choices = by_n[n]

@@ -63,10 +63,10 @@ def plan_weights(stack: ServingStack, plan: TargetPlan, internal: Sequence[str],
     rows: list[tuple[tuple[float, ...], Mapping[str, Any]]] = []
     with torch.inference_mode(), stack.engine.model_lock:
         for prompt in prompts:
-            ids = loaded.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+            ids = loaded.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
             ids = ids.to(device)
             with stack.adapted.context.use(tuple(internal), first), loaded.autocast():
-                out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)  # type: ignore[operator]
+                out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1]  # (1, T, H): one prompt, no padding
             state = hidden[0].float().mean(dim=0) if plan.pooling == "mean" else hidden[0, -1].float()  # (H,)
             weights, info = plan.weight_fn(state, ids[0].tolist())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,10 @@ from pydantic import ValidationError
 
 from models.settings import DEVICE_HELP, device_option, resolve_device
 from routing.feddpa_options import OPTION_NAMES, add_option_arguments
-from serving.settings import ServeSettings
+from serving.engine.config import EngineConfig
+from serving.settings import ENGINE_LIMITS, ServeSettings
+
+_SIZE_LIMITS = ("max_batch_size", "max_model_len")  # the engine limits `fedmosaic batch` takes too
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +35,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
     p.add_argument("--max-loras", type=int, default=None, help="adapters loaded at once (LRU beyond; default 16)")
-    p.add_argument("--max-batch-size", type=int, default=None,
-                   help="KV slots (default: as many as the device's free memory holds; logged at start-up)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt plus completion tokens (default: the model's context, at most 8192)")
+    _add_engine_arguments(p, _SIZE_LIMITS)
     p.add_argument("--max-tokens-limit", type=int, default=None, help="default 1024")
     p.add_argument("--adapter-root", default=None,
                    help="runtime-loaded adapters must lie inside it (default: the run directory)")
@@ -60,30 +61,14 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="who sees FedDPA similarities in responses (default: admin keys only)")
     p.add_argument("--protect-metrics", action=argparse.BooleanOptionalAction, default=None,
                    help="/metrics needs an admin key")
-    p.add_argument("--max-waiting", type=int, default=None, help="queued requests before 429 (default 64)")
-    p.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="prompt tokens prefilled per engine step, longer prompts in chunks (default 512)")
-    p.add_argument("--max-decode-skips", type=int, default=None,
-                   help="steps in a row that prefill prompts waiting for their first token without decoding "
-                        "(default 2; 0: never)")
-    p.add_argument("--max-lora-rank", type=int, default=None,
-                   help="largest adapter rank the fused runner serves; larger ones run on the HF forward (default 16)")
-    p.add_argument("--prefix-cache-slots", type=int, default=None,
-                   help="recent prompts whose KV later prompts sharing a prefix reuse (default 4; 0: off)")
-    p.add_argument("--route-state-cache", type=int, default=None,
-                   help="FedDPA routing states remembered by prompt: the same prompt for another client skips its "
-                        "routing pass (default 4096; 0: off)")
-    p.add_argument("--request-timeout", type=_timeout, default=None,
-                   help="seconds before a request is cancelled and answered 504; 'none' for no deadline (default 600)")
+    _add_engine_arguments(p, tuple(n for n in ENGINE_LIMITS if n not in _SIZE_LIMITS))
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds running requests get to finish on shutdown (default 10)")
-    p.add_argument("--count-syncs", action="store_true", default=None,
-                   help="count host-device synchronisations per engine step in /metrics (slows the steps)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch profiler trace of 16 engine steps (after the first 8) into DIR")
     p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="exit with status 70 when the engine thread dies, for a supervisor to restart (default on)")
-    limits = p.add_argument_group("connection limits (README, Security model)")
+    limits = p.add_argument_group("connection limits (docs/serving.md, security model)")
     limits.add_argument("--header-timeout", type=float, default=None,
                         help="seconds a connection gets to send its request head (default 10)")
     limits.add_argument("--body-timeout", type=float, default=None,
@@ -93,6 +78,21 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                         help="open connections and requests at most: 503 beyond (default 512)")
     limits.add_argument("--max-header-bytes", type=int, default=None, help="request head size at most (default 65536)")
     return p
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    """Add a flag for each engine limit in ``names``: help from its one definition (``EngineConfig``, through
+    ``ServeSettings``), the server's default told, the flag spelt without a ``_s`` unit suffix."""
+    hints = typing.get_type_hints(EngineConfig)
+    for name in names:
+        setting = ServeSettings.model_fields[name]
+        default = setting.default
+        told = "" if default is None or isinstance(default, bool) else f" (default {default:g})"
+        flag = name.removesuffix("_s").replace("_", "-")
+        kind: dict[str, Any] = ({"action": "store_true"} if hints[name] is bool else
+                                {"type": int if hints[name] is int else _timeout, "metavar": name.upper()})
+        # default None: a flag left out never overrides FEDMOSAIC_SERVE_<NAME>
+        p.add_argument(f"--{flag}", dest=name, default=None, help=f"{setting.description}{told}", **kind)
 
 
 _NO_DEADLINE = object()  # --request-timeout none: passed as None, which the settings read as "no deadline"
@@ -110,21 +110,16 @@ def _timeout(text: str) -> float | object:
 
 # argparse destination -> ServeSettings field, for the options that map one to one
 _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype", "device": "device",
-            "max_loras": "max_loras", "max_batch_size": "max_batch_size", "max_model_len": "max_model_len",
-            "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
+            "max_loras": "max_loras", "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
             "host": "host", "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
             "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",
-            "max_waiting": "max_waiting", "max_prefill_tokens": "max_prefill_tokens",
-            "max_decode_skips": "max_decode_skips", "prefix_cache_slots": "prefix_cache_slots",
-            "route_state_cache": "route_state_cache",
-            "max_lora_rank": "max_lora_rank",
-            "request_timeout": "request_timeout_s", "shutdown_timeout": "shutdown_timeout_s",
-            "exit_on_engine_failure": "exit_on_engine_failure", "count_syncs": "count_syncs",
+            "shutdown_timeout": "shutdown_timeout_s", "exit_on_engine_failure": "exit_on_engine_failure",
             "profile": "profile_dir", "header_timeout": "header_timeout_s",
             "body_timeout": "body_timeout_s", "keep_alive": "keep_alive_s", "max_connections": "max_connections",
-            "max_header_bytes": "max_header_bytes", **{f"feddpa_{name}": f"feddpa_{name}" for name in OPTION_NAMES}}
+            "max_header_bytes": "max_header_bytes", **{name: name for name in ENGINE_LIMITS},
+            **{f"feddpa_{name}": f"feddpa_{name}" for name in OPTION_NAMES}}
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:

@@ -14,9 +14,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from routing.embedding import Pooling
+from routing.base import Pooling
 from routing.feddpa import Mode, Similarity, Variant, similarity_name
 from routing.feddpa_options import OPTION_NAMES, FedDPAOptions, Prefill, Routing, Rule, option_default, option_help
+from serving.engine.config import EngineConfig, limit_bound, limit_default, limit_help
 
 Keys = Annotated[list[str], NoDecode]  # from the environment: a JSON list or comma-separated
 
@@ -24,6 +25,24 @@ Keys = Annotated[list[str], NoDecode]  # from the environment: a JSON list or co
 def _feddpa(name: str, **checks: Any) -> Any:
     """The setting ``feddpa_<name>``: default and description from :class:`FedDPAOptions`, its one definition."""
     return Field(option_default(name), description=option_help(name), **checks)
+
+
+_DEFAULT = object()  # _engine without a default of the server's own: the engine's
+
+
+def _engine(name: str, default: Any = _DEFAULT, unset: str | None = None, **checks: Any) -> Any:
+    """The setting ``name``: description and bound from :class:`EngineConfig`, its one definition.
+
+    Args:
+        name: the engine limit.
+        default: the server's default where it differs from the engine's.
+        unset: the ``auto_*`` field that decides the limit when the setting is None (its help says how).
+        checks: pydantic checks beyond (or instead of) the limit's bound.
+    """
+    description = limit_help(name) + (f"; unset: {limit_help(unset)}" if unset else "")
+    bound = {"ge": limit_bound(name)} if limit_bound(name) is not None else {}
+    return Field(limit_default(name) if default is _DEFAULT else default, description=description,
+                 **{**bound, **checks})
 
 
 class ServeSettings(BaseSettings):
@@ -45,25 +64,16 @@ class ServeSettings(BaseSettings):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"],
                                       description="Linear layers to adapt")
     max_loras: int = Field(16, ge=1, description="adapters loaded at once (LRU beyond)")
-    max_batch_size: int | None = Field(None, ge=1, description="KV slots (requests decoded at once); null: as many "
-                                       "as the device's free memory holds (serving.engine.sizing: CUDA 0.8 x free, "
-                                       "at most 256; CPU 0.25 x available RAM, at most 64)")
-    max_model_len: int | None = Field(None, ge=2, description="prompt plus completion tokens per request; null: the "
-                                      "model's context, at most 8192 (shorter when fewer than 4 slots would fit)")
-    max_waiting: int = Field(64, ge=1, description="queued requests before 429")
-    max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per engine step (chunked)")
-    max_decode_skips: int = Field(2, ge=0, description="steps in a row that prefill prompts waiting for "
-                                                       "their first token without decoding the running ones "
-                                                       "(0: every step decodes)")
-    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank the fused runner serves (vLLM's "
-                               "--max-lora-rank); its slots hold the largest rank served so far, a larger "
-                               "adapter runs on the HF forward")
-    prefix_cache_slots: int = Field(4, ge=0, description="recent prompts whose KV later prompts sharing a prefix "
-                                                         "under the same adapter weights reuse (0: off)")
-    route_state_cache: int = Field(4096, ge=0, description="FedDPA routing states remembered by prompt (per tenant "
-                                                          "and adapter version): the same prompt for another client "
-                                                          "skips its routing pass (0: off)")
-    request_timeout_s: float | None = Field(600.0, gt=0, description="deadline of a request (504 beyond); null: none")
+    # the engine's limits: each defined once in serving.engine.config (description, bound; default unless noted)
+    max_batch_size: int | None = _engine("max_batch_size", None, unset="auto_slots")
+    max_model_len: int | None = _engine("max_model_len", None, unset="auto_context", ge=2)
+    max_waiting: int = _engine("max_waiting", 64)  # a server answers 429 sooner than a library caller waits
+    max_prefill_tokens: int = _engine("max_prefill_tokens")
+    max_decode_skips: int = _engine("max_decode_skips")
+    max_lora_rank: int = _engine("max_lora_rank")
+    prefix_cache_slots: int = _engine("prefix_cache_slots")
+    route_state_cache: int = _engine("route_state_cache")
+    request_timeout_s: float | None = _engine("request_timeout_s", 600.0, gt=0)  # no HTTP client waits forever
     shutdown_timeout_s: float = Field(10.0, ge=0, description="on shutdown, running requests get this long to finish")
     exit_on_engine_failure: bool = Field(True, description="exit with status 70 when the engine thread dies, so "
                                          "a supervisor restarts the server")
@@ -96,8 +106,7 @@ class ServeSettings(BaseSettings):
     feddpa_variant: Variant = _feddpa("variant")
     feddpa_embedding: Pooling = _feddpa("embedding")
     check_base: bool = Field(True, description="refuse adapters trained on another base model")
-    count_syncs: bool = Field(False, description="count host-device synchronisations per engine step (/metrics "
-                              "fedmosaic_engine_syncs_total; a Python call per torch call: for profiling only)")
+    count_syncs: bool = _engine("count_syncs")
     profile_dir: Path | None = Field(None, description="write a torch profiler trace of 16 engine steps (after 8) "
                                      "into this folder (serving.engine.host_work.StepProfiler)")
     host: str = "127.0.0.1"
@@ -112,6 +121,14 @@ class ServeSettings(BaseSettings):
                                  "are answered 503 (uvicorn's limit_concurrency)")
     max_header_bytes: int = Field(65536, ge=1024, description="request line and headers at most (h11's limit; "
                                   "the connection is refused beyond)")
+
+    def engine_config(self) -> EngineConfig:
+        """The engine limits of these settings; an unset ``max_batch_size`` or ``max_model_len`` is sized at engine
+        build (``auto_slots``, ``auto_context``), the engine's default standing in until then."""
+        given = {name: getattr(self, name) for name in ENGINE_LIMITS}
+        return EngineConfig(**{**given, "max_batch_size": self.max_batch_size or limit_default("max_batch_size"),
+                               "max_model_len": self.max_model_len or limit_default("max_model_len")},
+                            auto_slots=self.max_batch_size is None, auto_context=self.max_model_len is None)
 
     def feddpa_options(self) -> FedDPAOptions:
         """The ``feddpa_*`` settings as the stack's :class:`~routing.feddpa_options.FedDPAOptions`."""
@@ -158,6 +175,10 @@ class ServeSettings(BaseSettings):
                 return json.loads(text)
             return [k.strip() for k in text.split(",") if k.strip()]
         return value
+
+
+# The engine limits a server sets: its settings named as an EngineConfig field (the others keep the engine's).
+ENGINE_LIMITS: tuple[str, ...] = tuple(n for n in ServeSettings.model_fields if n in EngineConfig.__dataclass_fields__)
 
 
 def _same_model(given: str, trained: str, run_dir: Path) -> bool:

@@ -3,7 +3,7 @@
 The HTTP app (:mod:`serving.api`), the batch runner (:mod:`serving.batch`), the batch evaluator
 (``fedmosaic eval``) and the benchmarks all build this one stack and ask for *served targets* by name
 (the base model, ``global``, ``<client>`` personalised, ``<client>:local``, any loaded adapter;
-README, Serving). What a name means is decided in one place, :class:`serving.targets.TargetResolver`
+docs/serving.md). What a name means is decided in one place, :class:`serving.targets.TargetResolver`
 (FedDPA's instance-wise weighting of paper 000 section 4.3 for ``<client>`` when the run has its
 embedding index), and a resolved plan becomes an engine request in one place, :func:`request_for`, so
 a new kind of target (AMoLE routing, paper 002) reaches every caller at once.
@@ -21,10 +21,11 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from adapters import AdaptedModel, inject
 from models import LoadedModel, load_base_model
+from models.settings import DType
 from routing.base import local_name
 from routing.feddpa_options import FedDPAOptions
 from serving.engine import Engine, EngineConfig
@@ -91,17 +92,8 @@ def stack_config(settings: ServeSettings) -> StackConfig:
     return StackConfig(
         model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
         adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
-        max_loras=s.max_loras, engine=EngineConfig(max_batch_size=s.max_batch_size or 8,
-                                                   max_model_len=s.max_model_len or 2048,  # placeholders when auto
-                                                   auto_slots=s.max_batch_size is None,
-                                                   auto_context=s.max_model_len is None,
-                                                   max_waiting=s.max_waiting, max_prefill_tokens=s.max_prefill_tokens,
-                                                   max_decode_skips=s.max_decode_skips,
-                                                   prefix_cache_slots=s.prefix_cache_slots,
-                                                   route_state_cache=s.route_state_cache,
-                                                   max_lora_rank=s.max_lora_rank,
-                                                   request_timeout_s=s.request_timeout_s, count_syncs=s.count_syncs),
-        feddpa=s.feddpa_options(), default_alpha=s.default_alpha, check_base=s.check_base)
+        max_loras=s.max_loras, engine=s.engine_config(), feddpa=s.feddpa_options(), default_alpha=s.default_alpha,
+        check_base=s.check_base)
 
 
 @dataclass(frozen=True)
@@ -116,7 +108,7 @@ class Job:
         mixture: an explicit ``(adapter, weight)`` mixture overriding the target's weights.
         exact_prefill: routed targets prefill a second time with the routed weights, so the prompt's KV cache
             and the first token use the mixture as in paper 000 section 4.3 (default; about one extra prefill,
-            ``bench/serve_routing.py``). False keeps the global-only prefill (faster first token, but the
+            ``bench/serving/routing.py``). False keeps the global-only prefill (faster first token, but the
             first token then comes from the global adapter and can derail a short answer).
         key: the caller's identity for this job (returned untouched with its outcome).
         cache_scope: the caller's tenant: of other tenants' prompts its prompts reuse the template only.
@@ -143,7 +135,7 @@ class Submitted:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class JobOutcome:
     """A finished job: its result, or the error that kept it from running (resolution, validation)."""
 
     job: Job
@@ -170,7 +162,7 @@ def request_for(plan: TargetPlan, lease: Lease | None, job: Job, request_id: str
     return GenerationRequest(
         prompt=job.prompt, prompt_ids=job.prompt_ids, sampling=job.sampling,
         adapter_names=lease.names if lease is not None else (), adapter_weights=plan.weights,
-        weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights, state_pooling=plan.pooling,  # type: ignore[arg-type]
+        weight_fn=plan.weight_fn, prefill_weights=plan.prefill_weights, state_pooling=plan.pooling,
         exact_prefill=job.exact_prefill and plan.weight_fn is not None, cache_scope=job.cache_scope,
         shared_prefix=job.shared_prefix if job.prompt is not None else "", **extra)
 
@@ -221,14 +213,14 @@ class ServingStack:
 
     def context(self) -> int | None:
         """The base model's context (``max_position_embeddings``), or None when its config names none."""
-        value = getattr(self.loaded.model.config, "max_position_embeddings", None)  # type: ignore[union-attr]
+        value = getattr(self.loaded.model.config, "max_position_embeddings", None)
         return int(value) if isinstance(value, int) and value > 0 else None
 
     def fit_length(self, length: int) -> None:
         """Make the engine hold ``length`` positions per request (prompt plus completion), capped by the
         model's context: an engine whose ``max_model_len`` is shorter is replaced by one sized for it
         (same model, adapters and lock; a new KV cache), so a batch job allocates what it needs and
-        not a worst case (issue 46: 8 slots x 2^20 positions of a SmolLM2 shape are 292 GiB on CUDA).
+        not a worst case (8 slots x 2^20 positions of a SmolLM2 shape are 292 GiB on CUDA).
 
         Raises:
             RuntimeError: the engine's thread runs or it holds requests (it cannot be swapped then).
@@ -243,7 +235,7 @@ class ServingStack:
         self.engine = Engine(self.loaded, self.adapted, dataclasses.replace(config, max_model_len=length),
                              model_lock=self.engine.model_lock)
 
-    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]:
+    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[JobOutcome]:
         """Run ``jobs`` with continuous batching; yield each outcome as soon as it finishes.
 
         Args:
@@ -264,7 +256,7 @@ class ServingStack:
                 try:
                     inflight.append((job, self.submit(job)))
                 except Exception as exc:  # noqa: BLE001 - reported per job; the others go on
-                    yield Outcome(job, None, None, exc)
+                    yield JobOutcome(job, None, None, exc)
             if not inflight:
                 return
             if self.engine.running:
@@ -274,7 +266,7 @@ class ServingStack:
             still: list[tuple[Job, Submitted]] = []
             for job, sub in inflight:
                 if sub.handle.done:
-                    yield Outcome(job, sub.plan, sub.handle.result())
+                    yield JobOutcome(job, sub.plan, sub.handle.result())
                 else:
                     still.append((job, sub))
             inflight = still
@@ -290,8 +282,8 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
             embeddings when ``config.feddpa`` asks for instance-wise weights and they exist, else the fixed weight).
         loaded: an already-loaded base model to use instead of loading ``config.model``.
     """
-    loaded = loaded if loaded is not None else load_base_model(
-        config.model, dtype=config.dtype, device=config.device)  # type: ignore[arg-type]
+    loaded = loaded if loaded is not None else load_base_model(  # which checks the dtype is one of DTYPES
+        config.model, dtype=cast(DType | None, config.dtype), device=config.device)
     adapted = inject(loaded.model, config.target_modules)
     engine = Engine(loaded, adapted, config.engine)
     specs = [(name, Path(path)) for name, _, path in (spec.partition("=") for spec in config.adapters)]
@@ -312,7 +304,7 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
     routing = "custom" if router is not None else "fixed"
     feddpa = config.feddpa
     if router is None and run is not None and feddpa.instance and _has_embeddings(run):
-        from serving.feddpa_router import InstanceWeightRouter
+        from routing.instance import InstanceWeightRouter
 
         router = InstanceWeightRouter.for_run(run.root, lambda_=alpha, options=feddpa,
                                               version_of=lambda client: pool.version(local_name(client)))

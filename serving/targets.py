@@ -18,7 +18,8 @@ Names a request can use (the OpenAI ``model`` field):
   it mixes plain adapters only (AMoLE clients weight their experts per token themselves).
 
 The router protocol is ``routing``'s :class:`~routing.base.WeightRouter` (the one contract): any
-callable ``(client, hidden_state) -> RoutingDecision`` over served adapter names plugs in.
+callable ``(client, hidden_state, prompt_ids) -> RoutingDecision`` over served adapter names that
+declares ``uses_state`` and ``pooling`` plugs in.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from routing.base import GLOBAL, LOCAL_SUFFIX, RoutingDecision, WeightRouter, local_name
+from routing.base import GLOBAL, LOCAL_SUFFIX, Pooling, RoutingDecision, WeightRouter, local_name
 from routing.static import FixedWeightRouter
 from serving.engine.request import WeightFn
 from serving.errors import InvalidRequest, ModelNotFound
@@ -52,7 +53,7 @@ class TargetPlan:
         info: routing facts for the response (the engine's, when it routes, replace them).
         client: the personalised client served (``feddpa`` and ``amole``), else None.
         pooling: the prompt state ``weight_fn`` reads: the last token's (``last``) or the mean over the
-            prompt's tokens (``mean``, a router declaring ``pooling = "mean"``).
+            prompt's tokens (``mean``): the router's ``pooling``.
     """
 
     mode: str
@@ -62,7 +63,7 @@ class TargetPlan:
     weight_fn: WeightFn | None = None
     info: Mapping[str, Any] | None = None
     client: str | None = None
-    pooling: str = "last"
+    pooling: Pooling = "last"
 
 
 class TargetResolver:
@@ -100,7 +101,7 @@ class TargetResolver:
         """True when ``resolve`` accepts ``model``: the same names as :meth:`models`, in constant time.
 
         ``resolve`` runs for every request; building the full list there cost about 11 ms per request
-        with 1,000 clients (``bench/serve_scale.py``).
+        with 1,000 clients (``bench/serving/scale.py``).
         """
         if model == self.base_name:
             return True
@@ -117,8 +118,8 @@ class TargetResolver:
         if self.pool is not None and model in self.pool:
             return {"kind": "adapter"}
         owner = self.pool.amole_model_of(model) if self.pool is not None else None
-        if owner is not None:
-            info = self.pool.info(owner)[0]  # type: ignore[union-attr]
+        if self.pool is not None and owner is not None:
+            info = self.pool.info(owner)[0]
             return {"kind": "amole", "model": owner, "version": info.version, "loaded": info.loaded}
         return {"kind": "feddpa", "adapters": [GLOBAL, f"{model}{LOCAL_SUFFIX}"]}
 
@@ -159,14 +160,12 @@ class TargetResolver:
             decision = router(client, None)
             return TargetPlan("feddpa", names, _weights_for(names, decision), info=dict(decision.info), client=client)
 
-        keyed = bool(getattr(router, "reads_prompt_ids", False))
-
         def route(state: torch.Tensor, ids: Sequence[int]) -> tuple[tuple[float, ...], Mapping[str, Any]]:
-            decision = router(client, state, prompt_ids=ids) if keyed else router(client, state)  # type: ignore[call-arg]
+            decision = router(client, state, ids)
             return _weights_for(names, decision), decision.info
 
         return TargetPlan("feddpa", names, (1.0, 0.0), prefill_weights=(1.0, 0.0), weight_fn=route, client=client,
-                          pooling=str(getattr(router, "pooling", "last")))
+                          pooling=router.pooling)
 
 
 def _weights_for(names: Sequence[str], decision: RoutingDecision) -> tuple[float, ...]:

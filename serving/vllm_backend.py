@@ -32,7 +32,7 @@ from serving.engine.request import GenerationResult
 from serving.engine.sampling import SamplingParams
 from serving.errors import InvalidRequest, ServingError
 from serving.pool import RunInfo
-from serving.stack import Job, Outcome, ServingStack
+from serving.stack import Job, JobOutcome, ServingStack
 from serving.targets import GLOBAL, LOCAL_SUFFIX, TargetPlan
 
 logger = logging.getLogger(__name__)
@@ -229,11 +229,11 @@ class VLLMBackend:
         client = getattr(plan, "client", None) or plan.names[1][: -len(LOCAL_SUFFIX)]
         lease = self.stack.pool.acquire(plan.names)
         try:
-            (weights, info), = plan_weights(self.stack, plan, lease.names, [job.prompt or ""])
+            (weights, routed), = plan_weights(self.stack, plan, lease.names, [job.prompt or ""])
         finally:
             lease.release()
         level = self.levels.get(client, float(weights[1]))
-        route = {**dict(info), "a_requested": float(weights[1]), "a_level": level.a, "levels": self.levels.levels}
+        route = {**dict(routed), "a_requested": float(weights[1]), "a_level": level.a, "levels": self.levels.levels}
         return plan, self._lora(level.name, level.path), (1.0 - level.a, level.a), route
 
     def _sampling(self, job: Job) -> Any:
@@ -246,7 +246,7 @@ class VLLMBackend:
                                          logit_bias=dict(s.logit_bias) or None, min_tokens=s.min_tokens,
                                          stop_token_ids=list(s.stop_token_ids) or None)
 
-    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]:
+    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[JobOutcome]:
         """Generate ``jobs`` in chunks (vLLM batches each chunk continuously); yield each outcome."""
         batch: list[Job] = []
         for job in jobs:
@@ -257,21 +257,21 @@ class VLLMBackend:
         if batch:
             yield from self._generate(batch)
 
-    def _generate(self, jobs: list[Job]) -> Iterator[Outcome]:
+    def _generate(self, jobs: list[Job]) -> Iterator[JobOutcome]:
         ready: list[tuple[Job, TargetPlan, Any, tuple[float, ...], dict[str, Any]]] = []
         for job in jobs:
             if job.prompt is None:
-                yield Outcome(job, None, None, InvalidRequest("the vLLM backend takes text prompts", param="prompt"))
+                yield JobOutcome(job, None, None, InvalidRequest("the vLLM backend takes text prompts", param="prompt"))
                 continue
             refused = unsupported_sampling(job.sampling)
             if refused is not None:
-                yield Outcome(job, None, None, InvalidRequest(
+                yield JobOutcome(job, None, None, InvalidRequest(
                     f"the vLLM batch backend does not return {refused}; use --backend torch", param=refused))
                 continue
             try:
                 ready.append((job, *self._prepare(job)))
             except Exception as exc:  # reported per job
-                yield Outcome(job, None, None, exc)
+                yield JobOutcome(job, None, None, exc)
         if not ready:
             return
         outputs = self.llm.generate([r[0].prompt for r in ready], [self._sampling(r[0]) for r in ready],
@@ -283,4 +283,4 @@ class VLLMBackend:
                 finish_reason="length" if o.finish_reason == "length" else "stop",
                 prompt_tokens=len(out.prompt_token_ids or ()), completion_tokens=len(o.token_ids),
                 adapter_names=plan.names, adapter_weights=weights, route_info=info)
-            yield Outcome(job, plan, result)
+            yield JobOutcome(job, plan, result)

@@ -61,12 +61,28 @@ def test_the_layers_table_is_the_import_contract() -> None:
     assert set(config["root_packages"]) == set(PACKAGES)
 
 
-def test_the_serving_table_is_the_serving_contract() -> None:
+def inside_table_and_contract(package: str) -> tuple[list[list[str]], list[list[str]]]:
+    """``package``'s floors as ARCHITECTURE.md's "Inside" table lists them, and as its container contract does."""
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (inside,) = [c for c in config["contracts"] if c.get("containers") == ["serving"]]
+    (inside,) = [c for c in config["contracts"] if c.get("containers") == [package]]
     assert "ignore_imports" not in inside
     contract = [sorted(part.strip() for part in layer.split("|")) for layer in inside["layers"]]
-    section = DOC.read_text().split("## Inside `serving/`")[1].split("\n## ")[0]
-    floors = [re.findall(r"`serving/([\w.]+?)(?:\.py|/)`", row.split("|")[2])
-              for row in section.splitlines() if re.match(r"^\| \w+ \| `serving/", row)]
-    assert [sorted(modules) for modules in floors] == contract
+    section = DOC.read_text().split(f"## Inside `{package}/`")[1].split("\n## ")[0]
+    floors = [re.findall(rf"`{package}/([\w.]+?)(?:\.py|/)`", row.split("|")[2])
+              for row in section.splitlines() if re.match(rf"^\| \w+ \| `{package}/", row)]
+    return [sorted(modules) for modules in floors], contract
+
+
+def test_the_serving_table_is_the_serving_contract() -> None:
+    table, contract = inside_table_and_contract("serving")
+    assert table == contract
+
+
+def test_the_training_table_is_the_training_contract() -> None:
+    table, contract = inside_table_and_contract("training")
+    assert table == contract
+    # every module and package of training/ stands on one floor
+    listed = {m for floor in table for m in floor}
+    present = {p.stem for p in (REPO / "training").iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert listed == present

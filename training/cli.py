@@ -1,8 +1,8 @@
 """``fedmosaic train``: arguments -> data set, base model, settings -> :func:`run_federated`.
 
-The training settings are the method's own regime (:mod:`training.regime`, defined in its module) under
-the ``--preset`` budget, then the command line's overrides; ``--print-config`` prints the result as JSON
-without training, and run.json records it.
+The training settings (:func:`training.settings.method_settings`) are the method's own regime
+(:mod:`training.local.regime`, defined in its module) under the ``--preset`` budget, then the command line's
+overrides; ``--print-config`` prints the result as JSON without training, and run.json records it.
 """
 
 from __future__ import annotations
@@ -10,115 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from models import settings
 from models.loaded import check_compile_mode
 
-if TYPE_CHECKING:
-    from training.runtime import TrainConfig
-
 TRAIN_OVERRIDES = (("lr", float), ("batch-size", int), ("micro-batch-size", int), ("local-epochs", float),
                    ("max-steps", int), ("cutoff-len", int), ("optimizer", str), ("schedule", str),
                    ("lr-decay", float), ("max-grad-norm", float))
-
-
-@dataclass(frozen=True)
-class MethodSettings:
-    """A method's effective settings: its regime under a budget, with overrides.
-
-    Attributes:
-        method: the method's name.
-        preset: the budget's name.
-        train: local training settings.
-        rounds: communication rounds.
-        options: method options (defaults, round-counting ones scaled to the budget, then the user's).
-        regime: the paper regime it started from (JSON).
-        budget: the budget's arithmetic for a client of ``examples`` examples (:func:`budget_arithmetic`).
-    """
-
-    method: str
-    preset: str
-    train: TrainConfig
-    rounds: int
-    options: dict[str, Any]
-    regime: dict[str, Any]
-    budget: dict[str, Any]
-
-    def asdict(self) -> dict[str, Any]:
-        """JSON for ``--print-config``."""
-        return {"method": self.method, "preset": self.preset, "rounds": self.rounds, "train": self.train.asdict(),
-                "options": self.options, "regime": self.regime, "budget": self.budget}
-
-
-def budget_arithmetic(method: str, preset_name: str, train: TrainConfig, rounds: int, examples: int) -> dict[str, Any]:
-    """What a budget gives ``method`` per client of ``examples`` training examples, beside the paper's.
-
-    ``examples_per_client`` counts one adapter's passes over the run (rounds x steps per run x batch):
-    FedDPA-T and FedOA train their local adapter as much again, FedLoRA / FedDPA-F add one fine-tune run.
-    """
-    from training.algorithms import get_method
-    from training.regime import budget, run_steps
-
-    m = get_method(method)
-    reg, b = m.regime, budget(preset_name)
-    steps = run_steps(examples, train.batch_size, train.local_epochs, train.max_steps)
-    paper_steps = run_steps(examples, reg.batch_size, reg.local_epochs, reg.max_steps)
-    per_client = rounds * steps * train.batch_size
-    paper = reg.rounds * paper_steps * reg.batch_size
-    return {"fraction": b.fraction, "client_examples": examples, "epochs_per_run": round(steps * train.batch_size
-                                                                                       / examples, 4),
-            "steps_per_run": steps, "examples_per_client": per_client, "paper_examples_per_client": paper,
-            "share_of_paper": round(per_client / paper, 5), "lr_rule_factor": round(b.lr_factor(reg), 4),
-            "lr": train.lr, "schedule": train.schedule, "max_grad_norm": train.max_grad_norm}
-
-
-def method_settings(method: str, preset_name: str = "paper", rounds: int | None = None,
-                    options: Mapping[str, Any] | None = None, data: str | None = None, n_clients: int | None = None,
-                    examples: int | None = None, **overrides: Any) -> MethodSettings:
-    """``method``'s paper regime under budget ``preset_name``, with ``rounds``, option and field overrides.
-
-    Args:
-        method: a registered method name.
-        preset_name: ``paper``, ``medium``, ``repro``, ``small`` or ``tiny``.
-        rounds: communication rounds (None: the regime's, scaled by the budget).
-        options: method options over its defaults.
-        data: the data spec (a paper's per-data-set defaults: FedDPA-T's alpha 0.3 on ``feddpa2``); None
-            leaves such options out, for :func:`training.simulation.run_federated` to set.
-        n_clients: the number of clients (defaults that scale with it: FedAMoLE's expert count); None
-            leaves them out likewise.
-        examples: training examples per client, for the budget arithmetic (None: 300, FedDPA's; the
-            Centralized baseline pools 8 clients' worth).
-        **overrides: :class:`training.runtime.TrainConfig` fields (None values are ignored); ``lr_decay``
-            is ``round_decay``; ``max_grad_norm`` 0 turns clipping off.
-    """
-    from training.algorithms import get_method
-    from training.regime import NOMINAL_EXAMPLES, budget, scaled_options
-    from training.runtime import preset
-
-    m = get_method(method)
-    if "lr_decay" in overrides:
-        overrides["round_decay"] = overrides.pop("lr_decay")
-    clip = overrides.pop("max_grad_norm", None)
-    train = preset(preset_name, m.regime, **overrides)
-    if clip is not None:
-        if clip < 0:
-            raise ValueError(f"--max-grad-norm must be >= 0 (0 turns clipping off), got {clip}")
-        train = replace(train, max_grad_norm=clip if clip > 0 else None)
-    opts = scaled_options(m.regime, preset_name, m.options_for(data, n_clients=n_clients))
-    # Defaults that depend on what is not known here are left to run_federated, which knows the data set
-    # and its clients: passing the generic value on would override FedDPA-T's alpha 0.3 on feddpa2 or
-    # FedAMoLE's expert count for the clients.
-    unknown = [k for d in m.data_defaults.values() for k in d] if data is None else []
-    unknown += list(m.client_defaults(1)) if n_clients is None and m.client_defaults else []
-    opts = {**{k: v for k, v in opts.items() if k not in unknown}, **(options or {})}
-    n = rounds if rounds is not None else budget(preset_name).rounds(m.regime)
-    per_client = examples or NOMINAL_EXAMPLES * (8 if m.centralized else 1)
-    return MethodSettings(m.name, preset_name, train, n, opts, m.regime.asdict(),
-                          budget_arithmetic(m.name, preset_name, train, n, per_client))
 
 
 def _value(text: str) -> Any:
@@ -140,7 +41,7 @@ def _compile_mode(text: str) -> str:
 def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``fedmosaic train``."""
     from training.algorithms import ALGORITHMS
-    from training.runtime import PRESETS
+    from training.local.runtime import PRESETS
 
     p = sub.add_parser("train", help="federated training in the in-process simulator")
     p.add_argument("--method", required=True, choices=sorted(ALGORITHMS))
@@ -152,7 +53,7 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny' (random, for smoke runs) or a folder")
     p.add_argument("--preset", default="paper", choices=sorted(PRESETS),
                    help="budget: a fraction of every method's paper work (rounds and local epochs together), the lr "
-                        "and schedule following the steps (training.regime); --print-config shows the arithmetic")
+                        "and schedule following the steps (training.local.regime); --print-config shows the arithmetic")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fraction", type=float, default=1.0, help="share of clients per round")
     p.add_argument("--sample-rate", type=float, default=None, help="per-task client sampling (40-client study)")
@@ -192,6 +93,8 @@ def run_train(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic train``."""
     from models import load_base_model
     from training.data import DataError, load_dataset
+    from training.federation.rounds import RoundConfig, failure_lines
+    from training.settings import method_settings
     from training.simulation import SimConfig, run_federated
 
     options: dict[str, Any] = {}
@@ -230,9 +133,9 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--clients-per-task must be >= 1, got {args.clients_per_task}")
         eff = method_settings(args.method, args.preset, args.rounds, options, data=args.data,
                               **_data_counts(dataset, args.method, args.clients_per_task), **overrides)
-        sim = SimConfig(rounds=eff.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
-                        client_timeout_s=args.timeout, keep_strategy=args.keep_strategy,
-                        clients_per_task=args.clients_per_task)
+        loop = RoundConfig(rounds=eff.rounds, fraction=args.fraction, sample_rate=args.sample_rate, seed=args.seed,
+                           keep_strategy=args.keep_strategy)
+        sim = SimConfig(loop, client_timeout_s=args.timeout, clients_per_task=args.clients_per_task)
     except ValueError as exc:
         raise SystemExit(f"fedmosaic train: {exc}") from exc
     if args.print_config:
@@ -274,24 +177,6 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def failure_lines(failures: list[tuple[int, str, str]]) -> list[str]:
-    """One line per distinct error of a run's failed client fits: how many, which rounds and clients.
-
-    Args:
-        failures: ``(round, client, error)`` rows, as :class:`training.rounds.RunSummary` keeps them.
-    """
-    by_error: dict[str, list[tuple[int, str]]] = {}
-    for r, cid, error in failures:
-        by_error.setdefault(" ".join(error.split())[:300], []).append((r, cid))  # one line each, bounded
-    lines = []
-    for error, where in by_error.items():
-        rounds = sorted({r for r, _ in where})
-        clients = sorted({c for _, c in where})
-        shown = ", ".join(clients[:4]) + (f" and {len(clients) - 4} more" if len(clients) > 4 else "")
-        lines.append(f"{len(where)} failed (round {', '.join(map(str, rounds))}; {shown}): {error}")
-    return lines
-
-
 def _data_counts(dataset: Any, method: str, clients_per_task: int) -> dict[str, int]:
     """The number of clients and the mean training examples per client (pooled for Centralized)."""
     from training.algorithms import get_method
@@ -305,7 +190,7 @@ def _data_counts(dataset: Any, method: str, clients_per_task: int) -> dict[str, 
 
 
 def gate_lines(run_dir: Path) -> list[str]:
-    """One line per client whose calibration holds a hold-out check (``training.local_gate``): its scores."""
+    """One line per client whose calibration holds a hold-out check (``training.federation.local_gate``): its scores."""
     from adapters.rundir import RunDir
     from routing.calibration import Calibration
 

@@ -1,6 +1,6 @@
 """Choose a run's learning rate on a validation split of the clients' training data (``--lr-search``).
 
-A budget's learning rate is a rule's (:mod:`training.regime`: the paper's lr times ``sqrt`` of the step
+A budget's learning rate is a rule's (:mod:`training.local.regime`: the paper's lr times ``sqrt`` of the step
 ratio, capped), not a tuned value. This search scores a small grid of multiples of it and keeps the best,
 per method and budget, without looking at any test set:
 
@@ -29,10 +29,10 @@ import torch
 from models import LoadedModel
 from training.data import IGNORE, ClientData, Example, FederatedDataset, collate
 from training.data.partition import hold_out
-from training.lm_forward import lm_forward, shifted_targets
-from training.local_train import train_adapters
-from training.protocol import derive_seed
-from training.runtime import Runtime, TrainConfig
+from training.local.lm_forward import lm_forward, shifted_targets
+from training.local.runtime import Runtime, TrainConfig
+from training.local.train import train_adapters
+from training.state import derive_seed
 
 GRID = (0.5, 1.0, 2.0)  # multiples of the rule's rate: one halving and one doubling around it
 

@@ -5,9 +5,11 @@ client receives, how uploads are aggregated, what is reported) and a :class:`Cli
 one local update from what it received, plus an optional final personalization step). The runtime
 (in-process simulator or Flower) moves only :class:`FitIns` and :class:`FitRes` between them; a
 client's private state (its local adapter, history) lives in :class:`ClientContext.private` and never
-leaves the client (paper 000 Table 12: only the global adapter travels).
+leaves the client (paper 000 Table 12: only the global adapter travels). The tensors that travel and the
+seeds every random choice derives from are :mod:`training.state`'s; :func:`layout_problem` is the default
+check of an upload's layout.
 
-Round loop (:mod:`training.rounds`, one for every runtime, not owned by methods)::
+Round loop (:mod:`training.federation.rounds`, one for every runtime, not owned by methods)::
 
     state = strategy.initial_state(runtime)
     for r in rounds:
@@ -21,28 +23,37 @@ Round loop (:mod:`training.rounds`, one for every runtime, not owned by methods)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from training.regime import FEDDPA_REGIME, Regime
-from training.validation import layout_problem
+from training.state import ClientState, StateDict, state_bytes
 
 if TYPE_CHECKING:
+    from adapters.rundir import RunDir
     from training.data import ClientData
-    from training.runtime import Runtime
-
-StateDict = dict[str, torch.Tensor]
-# A client's private state: named adapters (``"local"`` ...) that never leave it. The runtime persists
-# it between rounds (simulator: memory plus ``rounds/<r>/clients/<id>/``; Flower: ``Context.state``).
-ClientState = dict[str, StateDict]
+    from training.local.regime import Regime
+    from training.local.runtime import Runtime
 
 
-def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
-    """Bytes on the wire for a state dict (tensor payload only)."""
-    return int(sum(t.numel() * t.element_size() for t in state.values()))
+def layout_problem(expected: Mapping[str, torch.Tensor], got: Mapping[str, Any], what: str = "upload") -> str | None:
+    """Why ``got`` does not have exactly ``expected``'s keys, shapes and dtypes, or None when it does."""
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if missing:
+        return f"{what} lacks {len(missing)} tensor(s), e.g. {missing[:2]}"
+    if extra:
+        return f"{what} has {len(extra)} unexpected tensor(s), e.g. {extra[:2]}"
+    for key, ref in expected.items():
+        value = got[key]
+        if not isinstance(value, torch.Tensor):
+            return f"{what} {key} is a {type(value).__name__}, not a tensor"
+        if tuple(value.shape) != tuple(ref.shape):
+            return f"{what} {key} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}"
+        if value.dtype != ref.dtype:
+            return f"{what} {key} has dtype {value.dtype}, expected {ref.dtype}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,7 @@ class Strategy(ABC):
 
         The default wants exactly the tensors sent: same keys, shapes and dtypes (a method uploading
         something else overrides it). Finiteness, ``num_examples`` and metrics are checked for every
-        method by :func:`training.validation.reply_problem`.
+        method by :func:`training.federation.validation.reply_problem`.
         """
         return layout_problem(ins.state, res.state)
 
@@ -170,6 +181,11 @@ class ClientAlgorithm(ABC):
         return {}
 
 
+# After the last round, a method with its own model layout writes it (FedAMoLE's experts and assignments):
+# ``(run, runtime, state, strategy)``, the strategy being the method's own server half.
+ExportFn = Callable[["RunDir", "Runtime", StateDict, "Strategy"], None]
+
+
 @dataclass(frozen=True)
 class Method:
     """A registered method: its two halves, what it produces, and how its clients infer.
@@ -178,19 +194,21 @@ class Method:
         name: the CLI name (``fedit``, ``feddpa-t`` ...).
         strategy: builds the server half from the method options.
         client: builds the client half from the method options.
+        regime: the paper's client training (optimizer, lr and its decay, batch, epochs or steps, rounds),
+            defined in the method's module; FedDPA's (``FEDDPA_REGIME``) or the baselines'
+            (``BASELINE_REGIME``) for the methods without a paper regime of their own
+            (:mod:`training.local.regime`).
         has_local: clients end with a private ``local`` adapter.
         inference_weight: FedDPA's lambda: the personalized model mixes (global, local) at
             ``(1 - a, a)``; 1.0 is the local adapter alone; None: the global alone.
         defaults: the paper's option values (documented in the method's module).
         centralized: pool every client's data into one trainer (the Centralized baseline).
         inference_option: the option whose value overrides ``inference_weight`` (FedDPA's alpha).
-        export: writes the final model in a method-specific layout ``(run, runtime, state, strategy)``
-            instead of the global/local PEFT folders (FedAMoLE's experts and assignments).
+        export: writes the final model in a method-specific layout (:data:`ExportFn`) instead of the
+            global/local PEFT folders (FedAMoLE's experts and assignments); None: the PEFT folders.
         instance_weighting: the personalised model mixes (global, local) with FedDPA's instance-wise
             weight (paper 000 section 4.3), so training ends by saving each client's local-instance
             embeddings for the router; other methods' clients answer with their local adapter alone.
-        regime: the paper's client training (optimizer, lr and its decay, batch, epochs or steps, rounds),
-            defined in the method's module; FedDPA's for the baselines (:mod:`training.regime`).
         data_defaults: option defaults a paper sets per data set, by data spec (FedDPA-T: alpha 0.3
             on ``feddpa2``, paper 000 s5.1); between ``defaults`` and the user's options.
         client_defaults: ``n_clients -> options``: defaults that scale with the number of clients (FedAMoLE's
@@ -198,18 +216,18 @@ class Method:
     """
 
     name: str
-    strategy: Any
-    client: Any
+    strategy: Callable[[Mapping[str, Any]], Strategy]
+    client: Callable[[Mapping[str, Any]], ClientAlgorithm]
+    regime: Regime
     has_local: bool = False
     inference_weight: float | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     centralized: bool = False
     inference_option: str | None = None
-    export: Any = None
+    export: ExportFn | None = None
     instance_weighting: bool = False
-    regime: Regime = FEDDPA_REGIME
     data_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    client_defaults: Any = None
+    client_defaults: Callable[[int], Mapping[str, Any]] | None = None
 
     def options_for(self, data: str | None, options: Mapping[str, Any] | None = None,
                     n_clients: int | None = None) -> dict[str, Any]:
@@ -224,14 +242,3 @@ class Method:
             return float(options[self.inference_option])
         return self.inference_weight
 
-
-def derive_seed(seed: int, *parts: object) -> int:
-    """A stable 31-bit seed from the run seed and any labels (round, client, phase).
-
-    Every random choice of a run is derived this way, never from a shared generator's position, so a
-    resumed run (or a client run on another machine) draws exactly what the uninterrupted run drew.
-    """
-    import hashlib
-
-    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

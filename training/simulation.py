@@ -1,6 +1,6 @@
 """The in-process simulator: every client on one machine, sharing one frozen base model.
 
-The round loop is :mod:`training.rounds`'; this module is its in-process transport and the entry point
+The round loop is :mod:`training.federation.rounds`'; this module is its in-process transport and the entry point
 :func:`run_federated`. A round's instructions are handed to each client's half of the method directly,
 one client after another on the shared runtime; each client's private state stays in this process and
 goes into the round checkpoints, so ``resume=True`` after an interruption ends with the same adapters
@@ -13,6 +13,7 @@ its local-instance embeddings as a faiss index (paper 000, section 4.3).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,13 +25,14 @@ from tqdm.auto import tqdm
 from adapters import write_adapter_folder
 from adapters.rundir import RunDir
 from models import LoadedModel
-from training import durable
 from training.algorithms import get_method
 from training.data import ClientData, FederatedDataset, split_tasks
-from training.personalize import finish_client
-from training.protocol import ClientAlgorithm, ClientContext, ClientState, FitIns, Method, StateDict
-from training.rounds import Reply, RoundConfig, RunPlan, RunSummary, Transport, run_record, run_rounds
-from training.runtime import Runtime, TrainConfig
+from training.federation import durable
+from training.federation.personalize import finish_client
+from training.federation.rounds import Reply, RoundConfig, RunPlan, RunSummary, Transport, run_record, run_rounds
+from training.local.runtime import Runtime, TrainConfig
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, Method
+from training.state import ClientState, StateDict
 
 
 class SimulatedFailure(RuntimeError):
@@ -39,42 +41,29 @@ class SimulatedFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class SimConfig:
-    """The simulator's settings: the round loop's (:class:`training.rounds.RoundConfig`) and its own.
+    """The simulator's settings: the round loop's (:class:`~training.federation.rounds.RoundConfig`) and its own.
 
     Attributes:
-        rounds: communication rounds (paper 000: 20).
-        fraction: share of clients sampled per round (FedDPA: all).
-        sample_rate: per-task client sampling instead (paper 000 A.1's 40-client study).
-        seed: the run's seed.
+        loop: the round loop's settings (rounds, client sampling, seed, the strategy tensors kept), the
+            same on every runtime.
         client_timeout_s: soft per-client time limit (None: none).
         failures: (round, client) pairs that fail on purpose (failure drills, tests).
         embed: save each client's local-instance embeddings at the end.
-        keep_strategy: complete rounds that keep their strategy tensors (the resume state; 0: all rounds).
         clients_per_task: split every task's training data into this many clients ``<task>-<j>`` (seeded by
-            ``seed``; paper 000 A.1's 40-client study); recorded so evaluation reloads the same clients.
+            the loop's ``seed``; paper 000 A.1's 40-client study); recorded so evaluation reloads the same clients.
     """
 
-    rounds: int = 20
-    fraction: float = 1.0
-    sample_rate: float | None = None
-    seed: int = 0
+    loop: RoundConfig = RoundConfig()
     client_timeout_s: float | None = None
     failures: frozenset[tuple[int, str]] = field(default_factory=frozenset)
     embed: bool = True
-    keep_strategy: int = 1
     clients_per_task: int = 1
 
     def __post_init__(self) -> None:
-        self.round_config()  # the loop's own checks (rounds, fraction, keep_strategy)
         if self.clients_per_task < 1:
             raise ValueError(f"clients_per_task must be >= 1, got {self.clients_per_task}")
         if self.client_timeout_s is not None and not self.client_timeout_s >= 0:  # 0: every fit is late (tests)
             raise ValueError(f"client_timeout_s must be >= 0 seconds or None, got {self.client_timeout_s}")
-
-    def round_config(self) -> RoundConfig:
-        """The round loop's part of these settings."""
-        return RoundConfig(rounds=self.rounds, fraction=self.fraction, sample_rate=self.sample_rate, seed=self.seed,
-                           keep_strategy=self.keep_strategy)
 
 
 class InProcessTransport(Transport):
@@ -89,7 +78,7 @@ class InProcessTransport(Transport):
         self._personal: dict[str, StateDict] = {}  # the server's personalised model per client (pFedSeq)
 
     def _context(self, client_id: str, private: ClientState) -> ClientContext:
-        return ClientContext(client_id, self.dataset.client(client_id), self.rt, private, self.sim.seed)
+        return ClientContext(client_id, self.dataset.client(client_id), self.rt, private, self.sim.loop.seed)
 
     def fit(self, round_idx: int, instructions: Mapping[str, FitIns]) -> list[Reply]:
         self._pending = {}
@@ -137,8 +126,8 @@ class InProcessTransport(Transport):
         lora, base = self.rt.train.lora, self.rt.adapted.base_model_name
         for cid, named in self.private.items():
             if "local" in named:
-                durable.write_folder(run.local_adapter(cid),
-                                     lambda tmp, t=named["local"]: write_adapter_folder(tmp, lora, t, base))
+                durable.write_folder(run.local_adapter(cid), functools.partial(
+                    write_adapter_folder, config=lora, tensors=named["local"], base_model=base))
         return metrics
 
 
@@ -155,8 +144,9 @@ def run_federated(
         dataset: the clients and their data.
         loaded: the frozen base model; adapters are injected into it.
         out_dir: the run directory.
-        sim: round-loop settings, or just the number of rounds (every other setting at its default).
-        train: local training settings (``training.runtime.preset("small")`` on a CPU).
+        sim: the simulator's settings (``loop``: the round loop's), or just the number of rounds (every other
+            setting at its default).
+        train: local training settings (``training.local.runtime.preset("small")`` on a CPU).
         options: method options over the method's defaults (``alpha``, ``mu``, ``weighting`` ...).
         resume: continue from the last complete round of ``out_dir``.
         data_spec: the data set spec recorded in run.json (evaluation reloads the test sets from it).
@@ -170,14 +160,14 @@ def run_federated(
         ValueError: resuming a run made with other settings.
         AdapterError: another process is writing ``out_dir`` (the run directory's writer lock).
     """
-    sim = SimConfig(rounds=sim) if isinstance(sim, int) else sim
+    sim = SimConfig(RoundConfig(rounds=sim)) if isinstance(sim, int) else sim
     m = get_method(method)  # an unknown method fails before anything touches the disk
     run = RunDir(Path(out_dir))
     with run.lock("training"):
         if sim.clients_per_task > 1:
-            dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.seed)
-        opts = {**m.options_for(data_spec, options, len(dataset.clients)), "seed": sim.seed}
-        config = run_record(m, opts, sim.round_config(), train, data=data_spec, data_options=data_options or {},
+            dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.loop.seed)
+        opts = {**m.options_for(data_spec, options, len(dataset.clients)), "seed": sim.loop.seed}
+        config = run_record(m, opts, sim.loop, train, data=data_spec, data_options=data_options or {},
                             model=model_name or loaded.name, clients_per_task=sim.clients_per_task,
                             device=str(loaded.device), preset=preset_name, regime=m.regime.asdict(),
                             **(record or {}))
@@ -185,5 +175,5 @@ def run_federated(
             pooled = tuple(r for c in dataset.clients for r in c.train)
             dataset = FederatedDataset(dataset.name, (ClientData("all", "all", pooled),), dataset.tests)
         rt = Runtime(loaded, train)
-        plan = RunPlan(m, opts, dataset, rt, run, sim.round_config(), config, resume)
+        plan = RunPlan(m, opts, dataset, rt, run, sim.loop, config, resume)
         return run_rounds(plan, InProcessTransport(m, m.client(opts), dataset, rt, sim, m.mixture_weight(opts)))

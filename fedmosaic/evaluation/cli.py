@@ -13,7 +13,7 @@ from fedmosaic.evaluation.inputs import AMOLE_MODELS
 from models import settings
 from routing.feddpa_options import add_option_arguments
 from training.data import DataError
-from training.metrics import METRICS
+from training.scoring import METRICS
 
 # What a bad run directory, data set or test set raises: one line on stderr, never a traceback.
 _USER_ERRORS = (AdapterError, DataError, EvalSetupError)

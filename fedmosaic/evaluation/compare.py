@@ -17,7 +17,7 @@ from adapters.rundir import RunDir
 from fedmosaic.evaluation import tables
 from fedmosaic.evaluation.evaluate import output_dir
 from fedmosaic.evaluation.inputs import EvalSetupError
-from training.metrics import Scores
+from training.scoring import Scores
 
 
 def _grid(scores: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Scores]]:

@@ -38,7 +38,7 @@ from routing.embedding import check_pooling
 from routing.feddpa import VARIANTS, similarity_name
 from serving.pool.amole_run import aggregated_target
 from training.data import FederatedDataset, PromptConfig, prompt_texts
-from training.metrics import METRICS, Scores, example_scores, mean_scores, score
+from training.scoring import METRICS, Scores, example_scores, mean_scores, score
 
 
 @dataclass(frozen=True)
@@ -225,8 +225,9 @@ def evaluate_run(run_dir: str | Path, opts: EvalOptions = EvalOptions(), backend
         if key in clients and info.get("mode") == "feddpa" and info.get("routed"):
             weights.setdefault(key, {})[task] = [float(r["weights"][f"{key}:local"]) for r in rows]
             ungated = [(r.get("route") or {}).get("a_before_gate") for r in rows]
-            if all(isinstance(a, int | float) for a in ungated):
-                before.setdefault(key, {})[task] = [float(a) for a in ungated]  # type: ignore[arg-type]
+            numbers = [float(a) for a in ungated if isinstance(a, int | float)]
+            if len(numbers) == len(ungated):  # every row's weight before the gate is a number
+                before.setdefault(key, {})[task] = numbers
     for key in targets:
         grid[key] = grid[canonical[key]]
         if ttp_grid:
@@ -264,10 +265,12 @@ def _counts(jobs: Sequence[tuple[str, str]], canonical: dict[str, str], client_t
     sharing: dict[str, list[str]] = {}
     for key, first in canonical.items():
         sharing.setdefault(first, []).append(key)
-    counts = {}
+    counts: dict[tuple[str, str], int] = {}
     for key, task in jobs:
-        full = ttp_limit is None or any(k not in client_tasks or client_tasks[k] == task for k in sharing[key])
-        counts[key, task] = len(prompts[task]) if full else min(len(prompts[task]), ttp_limit)  # type: ignore[type-var]
+        n = len(prompts[task])
+        if ttp_limit is not None and not any(k not in client_tasks or client_tasks[k] == task for k in sharing[key]):
+            n = min(n, ttp_limit)  # only off-task TTP columns read this job
+        counts[key, task] = n
     return counts
 
 
@@ -288,7 +291,7 @@ def _prompter(cfg: dict, backend: EvalBackend) -> Callable[[Sequence[Any]], list
     tokenizer = getattr(backend, "tokenizer", None)
     if style == "chat" and tokenizer is None:
         raise ValueError("this run trained with chat prompts; the evaluation backend must expose its tokenizer")
-    config = PromptConfig(style)  # type: ignore[arg-type]
+    config = PromptConfig.named(style)
     return lambda records: prompt_texts(records, tokenizer, config)
 
 

@@ -15,7 +15,7 @@ from adapters.rundir import RunDir
 from fedmosaic.evaluation import plots, tables
 from fedmosaic.evaluation.testsets import TestSet
 from training.data import FederatedDataset
-from training.metrics import Scores
+from training.scoring import Scores
 
 
 def write_tables(run: RunDir, out: Path, cfg: dict, dataset: FederatedDataset, test_set: TestSet,

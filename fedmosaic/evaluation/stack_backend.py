@@ -24,15 +24,16 @@ import hashlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from adapters.rundir import RunDir
 from fedmosaic.evaluation.backend import WEIGHTING, EvalItem
 from fedmosaic.evaluation.inputs import EvalSetupError
 from fedmosaic.evaluation.predictions import Prediction
+from routing.base import Pooling
 from routing.calibration import CALIBRATION_FILE
-from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS, resolve_weighting
-from routing.feddpa_options import FedDPAOptions
+from routing.feddpa import DEFAULT_WEIGHTING, WEIGHTINGS, Mode, Variant, resolve_weighting, similarity_name
+from routing.feddpa_options import FedDPAOptions, Routing
 from serving.beam import GenerationConfig, generate_target
 from serving.engine import EngineConfig
 from serving.engine.sampling import SamplingParams
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # The engine is built short and grown to what each generate() call needs (the longest prompt plus
 # max_new_tokens, capped by the model's context, rounded up so per-round evaluations rarely rebuild it):
-# on CUDA the KV cache is allocated at full length, so "no cap" (2^20 positions) could not fit (issue 46).
+# on CUDA the KV cache is allocated at full length, so "no cap" (2^20 positions) could not fit.
 _START_LEN = 512
 _LEN_STEP = 256
 
@@ -132,7 +133,7 @@ class StackBackend:
         engine tokenizes a prompt the same way), rounded up, capped by the model's context."""
         if not items:
             return
-        ids = self.tokenizer([it.prompt for it in items], add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+        ids = self.tokenizer([it.prompt for it in items], add_special_tokens=False)["input_ids"]
         need = max(len(x) for x in ids) + self.max_new_tokens
         self.stack.fit_length(-(-need // _LEN_STEP) * _LEN_STEP)
 
@@ -172,7 +173,7 @@ def _prediction(text: str, weights: dict[str, float], info: Any) -> Prediction:
     return Prediction(text.strip(), extra)
 
 
-def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
+def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> Routing:
     """``instance`` or ``fixed``: how ``<client>`` targets of this run are evaluated.
 
     ``auto`` follows the evaluation protocol: the personalised model of a method registered with
@@ -193,7 +194,7 @@ def feddpa_routing(cfg: dict[str, Any], run: RunDir, weighting: str) -> str:
     if weighting == "auto":
         method = ALGORITHMS.get(str(cfg.get("method", "")).lower())
         return "instance" if method is not None and method.instance_weighting and has_index else "fixed"
-    return weighting
+    return cast(Routing, weighting)  # instance or fixed: one of WEIGHTING, auto handled above
 
 
 def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, dtype: str | None = None,
@@ -235,9 +236,10 @@ def open_backend(run: RunDir, cfg: dict[str, Any], *, model: str | None = None, 
         model=model or cfg.get("model", "smollm2"), dtype=dtype, device=device, run_dir=run.root,
         max_loras=len(run.clients()) + 4,
         engine=EngineConfig(max_batch_size=batch_size, max_model_len=_START_LEN, max_waiting=max(64, 4 * batch_size)),
-        feddpa=FedDPAOptions(routing=routing, weighting=chosen if routing == "instance" else None,  # type: ignore[arg-type]
-                             samples=samples, mode=mode, similarity=similarity, variant=variant,  # type: ignore[arg-type]
-                             embedding=embedding),  # type: ignore[arg-type]
+        # text options: FedDPAOptions checks each against its choices on construction (RoutingError)
+        feddpa=FedDPAOptions(routing=routing, weighting=chosen if routing == "instance" else None, samples=samples,
+                             mode=cast(Mode, mode), similarity=similarity_name(similarity),
+                             variant=cast(Variant, variant), embedding=cast(Pooling, embedding)),
         check_base=False)
     stack = build_stack(config)
     if routing == "instance" and stack.routing != "instance":

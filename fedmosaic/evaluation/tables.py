@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from training.metrics import Scores
+from training.scoring import Scores
 
 ScoreGrid = Mapping[str, Mapping[str, Scores]]  # model key -> task -> scores
 

@@ -4,7 +4,7 @@ Each routed answer records the weight its client's local adapter got. Per task, 
 the *own* client (the one that trained on that task) and the *other* clients, so one sees whether ``a``
 is high on a client's own task and lower elsewhere. On tasks no client trained on (``fedmosaic eval
 --test``, paper 000 Table 14) every client is "other": those tasks are listed as ``unseen_tasks`` and
-the plot shows the other clients' boxes alone. When a client's gate (``training.local_gate``) closed,
+the plot shows the other clients' boxes alone. When a client's gate (``training.federation.local_gate``) closed,
 its served ``a`` is 0 whatever the prompt; the calibrated weights before the gates then get their own
 plot and statistics (``before_gate``), which show what the estimator separates.
 """

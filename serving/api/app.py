@@ -19,13 +19,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from routing.instance import check_run_pooling
 from serving.access import KeyRing
 from serving.api import errors, openapi
 from serving.api.dependencies import ServerState
 from serving.api.routes import adapters, chat, completions, health, models, run_files
 from serving.api.server import hide_query_strings
 from serving.engine.host_work import StepProfiler
-from serving.feddpa_router import check_run_pooling
 from serving.settings import ServeSettings
 from serving.stack import build_stack, stack_config
 from serving.targets import WeightRouter
@@ -89,11 +89,11 @@ async def in_own_thread(fn: Callable[..., None], *args: Any) -> None:
     Not the loop's executor: a long-lived pool thread that ran torch's multi-threaded operations (the
     model load) keeps its OpenMP worker team, and with a second team (the engine thread's) libgomp
     counts more threads than cores and stops spinning between parallel regions, so each operation of
-    every engine step waits for a sleeping worker (decode steps took 2x as long, issue 14). A thread
+    every engine step waits for a sleeping worker (decode steps took 2x as long). A thread
     that ends frees its team.
 
     Raises:
-        Whatever ``fn`` raised.
+        Exception: whatever ``fn`` raised.
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
@@ -159,7 +159,7 @@ class BodyLimit:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # type: ignore[no-any-return]
+            return await receive()
 
         await self.app(scope, replay, send)
 

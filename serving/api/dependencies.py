@@ -13,7 +13,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from serving.access import KeyRing, Principal
-from serving.api.metrics import Metrics
+from serving.api.prometheus import Metrics
 from serving.engine import Engine
 from serving.errors import EngineNotReady
 from serving.pool import AdapterPool, RunInfo
@@ -65,7 +65,7 @@ def get_state(request: Request) -> ServerState:
 
 def get_settings(request: Request) -> ServeSettings:
     """The server settings (available while loading too)."""
-    return request.app.state.server.settings  # type: ignore[no-any-return]
+    return request.app.state.server.settings
 
 
 _bearer = HTTPBearer(auto_error=False, description="an API key: a user key (inference) or an admin key")

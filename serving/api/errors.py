@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from adapters import AdapterError
 from serving import errors
 from serving.openai.errors import error_payload, validation_payload
-from serving.openai.protocol import ErrorBody, ErrorResponse
+from serving.openai.schemas import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,14 @@ def envelope(status: int, message: str, type_: str, code: str | None, param: str
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+# Starlette types every handler as taking an Exception: the two below narrow to the class they are installed for.
+def _validation(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
     return JSONResponse(validation_payload(exc.errors()), status_code=400)
 
 
-def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+def _http(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
     code = "unauthorized" if exc.status_code == 401 else None
     return envelope(exc.status_code, str(exc.detail), _HTTP.get(exc.status_code, "Error"), code,
                     headers=getattr(exc, "headers", None))
@@ -87,8 +90,8 @@ class CatchAll:
 
 def install(app: FastAPI) -> None:
     """Register every handler on ``app``."""
-    app.add_exception_handler(RequestValidationError, _validation)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(errors.ServingError, _domain)
     app.add_exception_handler(AdapterError, _domain)
     app.add_exception_handler(ValueError, _domain)

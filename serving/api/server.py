@@ -28,7 +28,7 @@ class HeadTimeoutH11(H11Protocol):
 
     header_timeout_s: float = 10.0
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrowed as in uvicorn's H11Protocol
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._arm()

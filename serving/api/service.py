@@ -25,8 +25,8 @@ from serving.engine.request import GenerationResult
 from serving.errors import InvalidRequest, ModelNotFound
 from serving.openai.builders import Choice, Limits
 from serving.openai.errors import error_payload
-from serving.openai.protocol import ChatCompletionRequest, SamplingFields
 from serving.openai.responses import Answer, usage
+from serving.openai.schemas import ChatCompletionRequest, SamplingFields
 from serving.stack import Job, ServingStack, Submitted
 
 

@@ -1,6 +1,6 @@
 """FedAMoLE in the engine: per-client routes, a batch's token routing, expert-usage reports.
 
-FedAMoLE (paper 002, section 4.2; METHODS.md 1.2) routes every token of client ``c`` over the domain
+FedAMoLE (paper 002, section 4.2; docs/methods.md 1.2) routes every token of client ``c`` over the domain
 experts assigned to ``c`` in each module (its token projection scores them, the top-k gates are
 renormalised, the shared expert adds at weight 1). One loaded version of a FedAMoLE folder is an
 :class:`AMoLEBundle`: its experts live in the adapted layers under the adapter-name prefix
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from adapters.amole_layer import SHARED, expert_name
-from adapters.amole_routing import AMoLEExperts, AMoLERouting, ExpertRecorder
+from adapters.amole_routing import AMoLEExperts, AMoLERouting
+from adapters.amole_union import ExpertRecorder
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class AMoLEBundle:
     num_experts: int
     experts: AMoLEExperts
     layers: tuple[str, ...]
-    assignments: dict[str, Mapping[str, tuple[int, ...]]] = field(compare=False)
+    assignments: Mapping[str, Mapping[str, tuple[int, ...]]] = field(compare=False)
 
     @property
     def adapter_names(self) -> list[str]:

@@ -21,7 +21,7 @@ AMoLE (paper 002 section 4.2): a request carrying an AMoLE client's ``route`` is
 inside the layers over that client's experts (the layers' token-routing hook), on the HF forward,
 and its response reports the experts its generated tokens went to (``route_info["expert_usage"]``).
 
-Failures (issue 14): an exception while prefilling, routing, sampling or decoding fails only the
+Failures: an exception while prefilling, routing, sampling or decoding fails only the
 requests involved (400 when the request caused it, 500 with the request id otherwise); a request past
 ``request_timeout_s`` is answered with 504. If the engine thread itself dies (a bug, a CUDA fault),
 every waiting and running request is answered at once, :meth:`Engine.health` reports the reason,
@@ -42,9 +42,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -59,10 +59,13 @@ from serving.engine.model_lock import ModelLock
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.engine.route_states import RouteStates
-from serving.engine.scheduler import Outcome, Scheduler
-from serving.engine.sequence import Finished, Sequence, error_status, failed, result
+from serving.engine.scheduler import RowOutcome, Scheduler
+from serving.engine.sequence import Finished, SeqState, error_status, failed, result
 from serving.engine.sizing import sized_config
 from serving.errors import EngineNotReady, EngineOverloaded
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "StepReport"]
 
@@ -120,7 +123,8 @@ class Engine:
         param = next(self.model.parameters())
         self.device = param.device
         dtype = torch.bfloat16 if loaded.dtype == "autocast-bf16" else param.dtype
-        mc = self.model.config  # type: ignore[union-attr]
+        hf = cast("PreTrainedModel", self.model)  # an HF causal LM (models.loading); typed nn.Module in LoadedModel
+        mc = hf.config
         config, self.slot_plan = sized_config(config, mc, dtype, self.device)  # auto slots / context
         if self.slot_plan is not None:
             logger.info("%s", self.slot_plan.describe())
@@ -135,7 +139,7 @@ class Engine:
         self.executor = Executor(self.model, adapted, self.kv, loaded.autocast, config.runner,
                                  config.lora_slots or config.max_batch_size + 1, config.max_lora_rank,
                                  config.cuda_graphs, config.max_batch_size)
-        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)  # type: ignore[operator]
+        self.vocab_size = int(cast(torch.nn.Embedding, hf.get_input_embeddings()).num_embeddings)  # HF: an Embedding
         eos: set[int] = set()
         for value in (getattr(self.tokenizer, "eos_token_id", None),
                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
@@ -144,8 +148,8 @@ class Engine:
         self.lifecycle = Lifecycle(config, self.tokenizer, adapted, self.vocab_size, self.eos_ids, self.device,
                                    self.prefixes, self.route_states)
         self.scheduler = Scheduler(self.executor, self.lifecycle)
-        self._waiting: deque[Sequence] = deque()
-        self._active: list[Sequence] = []
+        self._waiting: deque[SeqState] = deque()
+        self._active: list[SeqState] = []
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._skipped = 0  # steps in a row that prefilled without decoding
@@ -178,7 +182,7 @@ class Engine:
             self._cond.notify_all()
         return seq.handle
 
-    def generate(self, requests: Seq[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion (stepping here unless the background thread runs)."""
         handles = [self.submit(r) for r in requests]
         if not self.running:
@@ -334,7 +338,7 @@ class Engine:
         return (any(s.phase in ("route", "fill") and s.filled == s.begun for s in self._active)
                 or bool(self._waiting and self.kv.free_slots))
 
-    def _end(self, seq: Sequence, res: GenerationResult, finished: Finished) -> None:
+    def _end(self, seq: SeqState, res: GenerationResult, finished: Finished) -> None:
         if seq.slot is not None:
             self.kv.release(seq.slot, len(seq.ids) + len(seq.output))  # an upper bound of its positions
             seq.slot = None
@@ -366,7 +370,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a remembered state's weight_fn failed: this request only
                 self._fail(seq, exc, finished)
 
-    def _record(self, seq: Sequence, outcome: Outcome, finished: Finished) -> None:
+    def _record(self, seq: SeqState, outcome: RowOutcome, finished: Finished) -> None:
         """Record a row's sampled token (ending its sequence when it finishes), or fail it."""
         if isinstance(outcome, Exception):
             self._fail(seq, outcome, finished)
@@ -378,7 +382,7 @@ class Engine:
         if reason is not None:
             self._end(seq, result(seq, reason), finished)
 
-    def _fail(self, seq: Sequence, exc: Exception, finished: Finished) -> None:
+    def _fail(self, seq: SeqState, exc: Exception, finished: Finished) -> None:
         if error_status(exc) == 500:
             logger.error("request %s failed", seq.request_id, exc_info=exc)
         self._end(seq, failed(seq, exc), finished)

@@ -5,7 +5,7 @@ Each prefill chunk batch or decode step goes to the fused Llama runner when ever
 the model's own HF forward otherwise (AMoLE token routing, other architectures, too many adapters).
 A step that prefills and decodes runs both in one fused forward where it can (:meth:`Executor.mixed`).
 If a batched forward or the batched sampling raises, each row is run alone, so only the rows that
-fail alone get an error (issue 14: one request never stops the others). Errors that leave the device
+fail alone get an error (one request never stops the others). Errors that leave the device
 unusable (a CUDA fault) are not contained: they propagate and stop the engine.
 """
 
@@ -125,8 +125,8 @@ class Executor:
         return out.recorder.counts(self.paths, max(widths), len(adapters), last_token=last_token)
 
     def _prefill(self, rows: Sequence[PrefillRow]) -> list[RowOut]:
-        fast = self.fast is not None and self.fast.supports([r.adapters for r in rows])
-        out = self.fast.prefill(rows) if fast else self.hf.prefill(rows)  # type: ignore[union-attr]
+        fast = self.fast if self.fast is not None and self.fast.supports([r.adapters for r in rows]) else None
+        out = fast.prefill(rows) if fast is not None else self.hf.prefill(rows)
         return chunk_outs(out, len(rows), self._counts(out, [r.adapters for r in rows], last_token=True))
 
     def _decode(self, rows: Sequence[DecodeRow]) -> list[RowOut]:
@@ -185,8 +185,9 @@ class Executor:
         keeping a failure to the rows that cause it alone.
         """
         if self.fuses(prefill, decode):
+            assert self.fast is not None  # fuses only on the fused runner
             try:
-                out = self.fast.prefill(prefill, decode)  # type: ignore[union-attr]
+                out = self.fast.prefill(prefill, decode)
             except Exception as exc:  # noqa: BLE001 - the halves run apart below, each row isolated
                 if is_fatal(exc):
                     raise

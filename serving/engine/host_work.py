@@ -2,7 +2,7 @@
 
 A GPU step is fast only when the host keeps the device fed: every read of a device tensor's values on
 the host (``.item()``, ``.tolist()``, ``.cpu()``, a copy into host memory, ``bool(t)``) waits for
-all queued kernels, and Python between launches leaves the device idle (issue 46: the server's
+all queued kernels, and Python between launches leaves the device idle (the server's
 prefill steps took 134 ms for a few milliseconds of H100 compute). :class:`StepClock` measures a step:
 wall time, the engine thread's CPU time, and with ``count_syncs`` the synchronisations and the time
 spent waiting in them (a :class:`SyncCounter`, a ``TorchFunctionMode``: one Python call per torch call,

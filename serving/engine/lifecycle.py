@@ -2,7 +2,7 @@
 
 :class:`Lifecycle` is the part of a request's life that needs no scheduling (the engine owns one and
 hands it to its scheduler): it turns a
-:class:`~serving.engine.request.GenerationRequest` into a validated :class:`~serving.engine.sequence.Sequence`,
+:class:`~serving.engine.request.GenerationRequest` into a validated :class:`~serving.engine.sequence.SeqState`,
 chooses the prefill phases (a FedDPA request first prefills with its prefill weights and hands its
 final-layer state to ``weight_fn``, paper 000 section 4.3), and records every sampled token (stop
 strings, end of sequence, length limits).
@@ -19,11 +19,13 @@ from serving.engine.config import EngineConfig
 from serving.engine.request import FinishReason, GenerationRequest, RequestHandle
 from serving.engine.runner.inputs import RowAdapters
 from serving.engine.sampling import make_generator, token_logprobs
-from serving.engine.sequence import Sequence
+from serving.engine.sequence import SeqState
 from serving.engine.text import TextTracker
 from serving.errors import AdapterNotFound, InvalidRequest
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from serving.engine.executor import RowOut
     from serving.engine.prefix_cache import PrefixCache
     from serving.engine.route_states import RouteStates
@@ -44,7 +46,7 @@ class Lifecycle:
         states: routing states remembered by prompt (None: every routed prompt runs its routing pass).
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: object, adapted: object, vocab_size: int,
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase, adapted: object, vocab_size: int,
                  eos_ids: frozenset[int], device: torch.device, prefixes: PrefixCache,
                  states: RouteStates | None = None) -> None:
         self.config, self.tokenizer, self.adapted = config, tokenizer, adapted
@@ -52,7 +54,7 @@ class Lifecycle:
         self.states = states
 
     @staticmethod
-    def row_adapters(seq: Sequence, weights: tuple[float, ...]) -> RowAdapters:
+    def row_adapters(seq: SeqState, weights: tuple[float, ...]) -> RowAdapters:
         """The adapters a phase of ``seq`` runs with (its AMoLE route, or its names at ``weights``)."""
         if seq.amole is not None:
             return RowAdapters(amole=seq.amole)
@@ -60,12 +62,12 @@ class Lifecycle:
 
     def _encode(self, text: str) -> list[int]:
         try:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         except (UnicodeError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"the prompt is not valid text ({type(exc).__name__}: {exc}); send UTF-8 "
                                  "text without lone surrogates", param="prompt") from exc
 
-    def prepare(self, request: GenerationRequest) -> Sequence:
+    def prepare(self, request: GenerationRequest) -> SeqState:
         """Validate ``request`` and make its waiting sequence (raises the errors of ``submit``)."""
         ids = list(request.prompt_ids) if request.prompt_ids is not None else self._encode(request.prompt or "")
         if not ids:
@@ -93,7 +95,7 @@ class Lifecycle:
         except (RuntimeError, ValueError, OverflowError) as exc:
             raise InvalidRequest(f"seed {params.seed!r} cannot seed a generator: {exc}", param="seed") from exc
         timeout = self.config.request_timeout_s
-        seq = Sequence(handle=RequestHandle(request), ids=ids, tracker=TextTracker(self.tokenizer, params.stop),
+        seq = SeqState(handle=RequestHandle(request), ids=ids, tracker=TextTracker(self.tokenizer, params.stop),
                        generator=generator, deadline=time.monotonic() + timeout if timeout else None,
                        weights=tuple(request.adapter_weights), amole=route)
         if route is not None:
@@ -105,14 +107,14 @@ class Lifecycle:
                               min(len(shared), len(ids)))
         return seq
 
-    def begin_prefill(self, seq: Sequence) -> None:
+    def begin_prefill(self, seq: SeqState) -> None:
         """Enter the first prefill phase (``route`` for a routed request, else ``fill``).
 
         A routed prompt whose routing state is remembered (:mod:`serving.engine.route_states`) is routed
         at once and enters ``fill`` at its routed weights.
 
         Raises:
-            Whatever ``weight_fn`` raises for a remembered state (the engine fails the request with it).
+            Exception: whatever ``weight_fn`` raises for a remembered state (the engine fails the request with it).
         """
         req = seq.handle.request
         seq.filled, seq.state_sum = 0, None
@@ -131,7 +133,7 @@ class Lifecycle:
             seq.phase, seq.adapters = "fill", self.row_adapters(seq, tuple(req.adapter_weights))
         self._reuse_prefix(seq)
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
+    def _reuse_prefix(self, seq: SeqState) -> None:
         """Start a prompt pass after the longest cached prefix of the prompt under the pass's weights.
 
         A routing pass reuses one too (FedDPA's is the global adapter alone, shared by every client's
@@ -146,15 +148,15 @@ class Lifecycle:
             seq.filled = self.prefixes.reuse(seq.adapters, seq.ids, seq.slot, req.cache_scope, seq.public)
         seq.begun = seq.filled
 
-    def prefilled(self, seq: Sequence, out: RowOut) -> bool:
+    def prefilled(self, seq: SeqState, out: RowOut) -> bool:
         """A chunk of the prompt went through; True when its first token is sampled from ``out``.
 
         A routing pass adds up the chunks' final-layer states; once the whole prompt went through,
         ``weight_fn`` gets the last token's state or their mean (``state_pooling``).
 
         Raises:
-            Whatever ``weight_fn`` raises, and InvalidRequest when it returns the wrong number of
-            weights; the engine fails the sequence with it.
+            InvalidRequest: when ``weight_fn`` returns the wrong number of weights.
+            Exception: whatever ``weight_fn`` raises; the engine fails the sequence with it.
         """
         req = seq.handle.request
         if seq.phase == "route" and req.state_pooling == "mean":
@@ -167,7 +169,11 @@ class Lifecycle:
             self.prefixes.remember(seq.adapters, seq.ids, seq.slot, own=own, scope=req.cache_scope, public=seq.public)
         if seq.phase == "route":
             assert req.weight_fn is not None and out.state is not None
-            state = out.state if req.state_pooling == "last" else seq.state_sum / len(seq.ids)  # type: ignore[operator]
+            if req.state_pooling == "last":
+                state = out.state
+            else:  # the mean: the sum over the route pass's chunks (every chunk added it above)
+                assert seq.state_sum is not None
+                state = seq.state_sum / len(seq.ids)
             if self.states is not None:
                 self.states.put(self.prefixes.key(seq.adapters), req.cache_scope, req.state_pooling, seq.ids, state)
             weights = self._route(seq, state)
@@ -183,7 +189,7 @@ class Lifecycle:
         seq.phase = "decode"
         return True
 
-    def _remembered(self, seq: Sequence) -> torch.Tensor | None:
+    def _remembered(self, seq: SeqState) -> torch.Tensor | None:
         """The remembered state of ``seq``'s routing pass, for an exact request not asking for every logit.
 
         A request without ``exact_prefill`` keeps its routing pass: that pass's KV is the one it decodes
@@ -194,7 +200,7 @@ class Lifecycle:
             return None
         return self.states.get(self.prefixes.key(seq.adapters), req.cache_scope, req.state_pooling, seq.ids)
 
-    def _route(self, seq: Sequence, state: torch.Tensor) -> tuple[float, ...]:
+    def _route(self, seq: SeqState, state: torch.Tensor) -> tuple[float, ...]:
         """Hand the routing state to ``weight_fn``; records and returns the routed weights.
 
         Raises:
@@ -209,7 +215,7 @@ class Lifecycle:
         seq.weights, seq.info = weights, dict(info)
         return weights
 
-    def record_prompt_logprobs(self, seq: Sequence, row: PrefillRow, logits: torch.Tensor) -> None:
+    def record_prompt_logprobs(self, seq: SeqState, row: PrefillRow, logits: torch.Tensor) -> None:
         """Prompt tokens' log-probabilities from a chunk's (n, V) logits: position p predicts token p + 1."""
         if row.start == 0:
             seq.prompt_logprobs = [None]  # nothing predicts the first token (a re-prefill starts over)
@@ -217,7 +223,7 @@ class Lifecycle:
         nxt = [seq.ids[p + 1] for p in range(row.start, row.end) if p + 1 < len(seq.ids)]  # the last: a completion's
         seq.prompt_logprobs += token_logprobs(logits[: len(nxt)], nxt, [k] * len(nxt))
 
-    def advance(self, seq: Sequence, token: int) -> FinishReason | None:
+    def advance(self, seq: SeqState, token: int) -> FinishReason | None:
         """Record one generated token, stream its text, and say whether the sequence is finished."""
         params = seq.handle.request.sampling
         if seq.first_token_s is None:

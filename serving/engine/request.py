@@ -14,6 +14,7 @@ deltas are appended under a condition variable, and asyncio waiters are woken wi
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -214,12 +215,16 @@ class RequestHandle:
             assert self._result is not None
             return self._result
 
+    def _has_news(self, seen: int) -> bool:
+        """Whether more than ``seen`` deltas or the result are there (called holding the condition's lock)."""
+        return len(self._chunks) > seen or self._result is not None
+
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """Yield text deltas as they are produced (their concatenation is the final text)."""
         seen = 0
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda n=seen: len(self._chunks) > n or self._result is not None, timeout):
+                if not self._cond.wait_for(functools.partial(self._has_news, seen), timeout):
                     raise TimeoutError(f"request {self.request_id} produced nothing within {timeout} s")
                 new, finished = self._chunks[seen:], self._result is not None
             seen += len(new)

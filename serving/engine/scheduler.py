@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
     from serving.engine.executor import Executor, RowOut
     from serving.engine.lifecycle import Lifecycle
-    from serving.engine.sequence import Sequence
+    from serving.engine.sequence import SeqState
 
-Outcome = tuple[int, TokenLogprob | None] | Exception  # a row's sampled token and log-probs, or why it failed
-Outcomes = list[tuple["Sequence", Outcome]]
+RowOutcome = tuple[int, TokenLogprob | None] | Exception  # a row's sampled token and log-probs, or why it failed
+RowOutcomes = list[tuple["SeqState", RowOutcome]]
 
 
 @dataclass
@@ -47,8 +47,8 @@ class Pass:
     exact_budget: int | None = None  # the exact passes' own budget (a step with no running rows); None: shared
     left: int = field(init=False)  # budget not yet taken
     exact_left: int = field(init=False)  # exact_budget not yet reserved
-    plain: list[tuple[Sequence, PrefillRow]] = field(default_factory=list)
-    solo: list[tuple[Sequence, PrefillRow]] = field(default_factory=list)  # alone: their last token is the last column
+    plain: list[tuple[SeqState, PrefillRow]] = field(default_factory=list)
+    solo: list[tuple[SeqState, PrefillRow]] = field(default_factory=list)  # alone: their last token is the last column
 
     def __post_init__(self) -> None:
         self.left = self.budget
@@ -66,7 +66,7 @@ class Scheduler:
     def __init__(self, executor: Executor, lifecycle: Lifecycle) -> None:
         self.executor, self.lifecycle = executor, lifecycle
 
-    def plan(self, seqs: list[Sequence], budget: int, reserve: bool = False, exact_budget: int | None = None
+    def plan(self, seqs: list[SeqState], budget: int, reserve: bool = False, exact_budget: int | None = None
              ) -> Pass:
         """Choose one chunk of each of ``seqs`` within ``budget`` tokens (nothing runs yet).
 
@@ -90,13 +90,13 @@ class Scheduler:
                 plan.exact_left -= len(seq.ids)
             plan.left -= n
             final = seq.phase == "fill" or not req.exact_prefill  # this pass's KV and logits are kept
-            row = PrefillRow(seq.slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,  # type: ignore[arg-type]
+            row = PrefillRow(seq.kv_slot, tuple(seq.ids[seq.filled: seq.filled + n]), seq.filled,
                              seq.adapters, want_state=seq.phase == "route",
                              all_logits=final and req.sampling.prompt_logprobs is not None)
             (plan.plain if seq.adapters.plain else plan.solo).append((seq, row))
         return plan
 
-    def run(self, first: Pass, decoding: list[Sequence]) -> tuple[int, Outcomes]:
+    def run(self, first: Pass, decoding: list[SeqState]) -> tuple[int, RowOutcomes]:
         """Run this step's first pass (``decoding``'s rows in its forward), then the exact passes it unlocks.
 
         Routed rows whose routing pass ends here start their exact (second) pass in the same step when
@@ -106,7 +106,7 @@ class Scheduler:
             The prompt tokens that went through, and the outcome of every row that took a token or
             failed, in the order they went through.
         """
-        outcomes: Outcomes = []
+        outcomes: RowOutcomes = []
         rerouted = self._run(first, decoding, outcomes)
         tokens = first.budget - first.left
         budget = first.left if first.exact_budget is None else first.exact_budget
@@ -116,21 +116,21 @@ class Scheduler:
             tokens += second.budget - second.left
         return tokens, outcomes
 
-    def _run(self, plan: Pass, decoding: list[Sequence], outcomes: Outcomes) -> list[Sequence]:
+    def _run(self, plan: Pass, decoding: list[SeqState], outcomes: RowOutcomes) -> list[SeqState]:
         """Run ``plan``'s forwards, ``decoding``'s decode rows riding in its batched one.
 
         Returns:
             The sequences this pass moved from ``route`` to ``fill`` (outcomes appended to ``outcomes``).
         """
-        rerouted: list[Sequence] = []
-        rows = [DecodeRow(s.slot, s.next_token, s.position, s.adapters) for s in decoding]  # type: ignore[arg-type]
+        rerouted: list[SeqState] = []
+        rows = [DecodeRow(s.kv_slot, s.next_token, s.position, s.adapters) for s in decoding]
         groups = ([plan.plain] if plan.plain else []) + [[item] for item in plan.solo]
         for group in groups:
             outs, decoded = self.executor.mixed([row for _, row in group], rows)
             if rows:
                 self._decoded(decoding, decoded, outcomes)
                 decoding, rows = [], []
-            done: list[tuple[Sequence, RowOut]] = []
+            done: list[tuple[SeqState, RowOut]] = []
             for (seq, row), out in zip(group, outs, strict=True):
                 if isinstance(out, Exception):
                     outcomes.append((seq, out))
@@ -151,7 +151,7 @@ class Scheduler:
             self._decoded(decoding, self.executor.decode(rows), outcomes)
         return rerouted
 
-    def _first_tokens(self, done: list[tuple[Sequence, RowOut]], outcomes: Outcomes) -> None:
+    def _first_tokens(self, done: list[tuple[SeqState, RowOut]], outcomes: RowOutcomes) -> None:
         if not done:
             return
         for seq, out in done:
@@ -159,9 +159,9 @@ class Scheduler:
                 seq.usage = out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
         self._sample([s for s, _ in done], [o.logits for _, o in done], outcomes)
 
-    def _decoded(self, seqs: list[Sequence], outs: list[RowOut | Exception], outcomes: Outcomes) -> None:
+    def _decoded(self, seqs: list[SeqState], outs: list[RowOut | Exception], outcomes: RowOutcomes) -> None:
         """Sample the next token of each decoded row in ``seqs`` (a row whose forward failed fails alone)."""
-        ok: list[tuple[Sequence, RowOut]] = []
+        ok: list[tuple[SeqState, RowOut]] = []
         for seq, out in zip(seqs, outs, strict=True):
             if isinstance(out, Exception):
                 outcomes.append((seq, out))
@@ -171,7 +171,7 @@ class Scheduler:
                     seq.usage += out.counts[seq.layer_idx, : seq.amole.bundle.num_experts].cpu()
         self._sample([s for s, _ in ok], [o.logits for _, o in ok], outcomes)
 
-    def _sample(self, seqs: list[Sequence], logits: list[torch.Tensor], outcomes: Outcomes) -> None:
+    def _sample(self, seqs: list[SeqState], logits: list[torch.Tensor], outcomes: RowOutcomes) -> None:
         histories = [RowHistory(s.ids, s.output, self.lifecycle.eos_ids) for s in seqs]
         picked = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs],
                                       histories)

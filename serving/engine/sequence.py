@@ -30,7 +30,7 @@ Finished = list[tuple[RequestHandle, GenerationResult]]  # results a step hands 
 
 
 @dataclass(eq=False)
-class Sequence:
+class SeqState:
     """Engine-internal state of one request (mutated by the engine thread only)."""
 
     handle: RequestHandle
@@ -71,6 +71,12 @@ class Sequence:
         return len(self.ids) + len(self.output) - 1
 
     @property
+    def kv_slot(self) -> int:
+        """The KV slot of a sequence being prefilled or decoded (the engine gives it one before either)."""
+        assert self.slot is not None, f"request {self.request_id} runs without a KV slot"
+        return self.slot
+
+    @property
     def held(self) -> int:
         """Positions this sequence's slot holds."""
         return self.filled if self.phase in ("route", "fill") else len(self.ids) + max(len(self.output) - 1, 0)
@@ -83,7 +89,7 @@ def error_status(exc: BaseException) -> int:
     return 400 if isinstance(exc, InvalidRequest | AdapterError | ValueError) else 500
 
 
-def error_message(seq: Sequence | RequestHandle, exc: BaseException, status: int) -> str:
+def error_message(seq: SeqState | RequestHandle, exc: BaseException, status: int) -> str:
     """What the caller is told: the cause for a 400; a generic message and the request id for a 500."""
     if status == 400:
         return str(exc)
@@ -91,7 +97,7 @@ def error_message(seq: Sequence | RequestHandle, exc: BaseException, status: int
             "the server logged the details under this id")
 
 
-def result(seq: Sequence, reason: FinishReason, error: str | None = None, status: int | None = None
+def result(seq: SeqState, reason: FinishReason, error: str | None = None, status: int | None = None
            ) -> GenerationResult:
     """The finished result of ``seq`` (text up to what was emitted when cancelled or failed)."""
     req = seq.handle.request
@@ -108,7 +114,7 @@ def result(seq: Sequence, reason: FinishReason, error: str | None = None, status
         prompt_logprobs=tuple(seq.prompt_logprobs) if req.sampling.prompt_logprobs is not None else None)
 
 
-def failed(seq: Sequence, exc: BaseException) -> GenerationResult:
+def failed(seq: SeqState, exc: BaseException) -> GenerationResult:
     """The error result of ``seq`` for ``exc`` (status from :func:`error_status`)."""
     status = error_status(exc)
     return result(seq, "error", error_message(seq, exc, status), status)

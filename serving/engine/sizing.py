@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from serving.engine.lifecycle import EngineConfig
 
 CUDA_FRACTION = 0.8  # of the memory free after the model loaded: the rest is activations and CUDA graphs
@@ -117,7 +119,7 @@ def machine_plan(device: torch.device, per_position: int, model_context: int | N
     return plan
 
 
-def sized_config(config: EngineConfig, model_config: object, dtype: torch.dtype, device: torch.device
+def sized_config(config: EngineConfig, model_config: PreTrainedConfig, dtype: torch.dtype, device: torch.device
                  ) -> tuple[EngineConfig, SlotPlan | None]:
     """``config`` with its ``auto_slots`` / ``auto_context`` fields resolved for this model and device.
 
@@ -127,10 +129,10 @@ def sized_config(config: EngineConfig, model_config: object, dtype: torch.dtype,
     if not (config.auto_slots or config.auto_context):
         return config, None
     mc = model_config
-    heads = int(mc.num_attention_heads)  # type: ignore[attr-defined]
-    head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // heads)  # type: ignore[attr-defined]
+    heads = int(mc.num_attention_heads)
+    head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // heads)
     kv_heads = int(getattr(mc, "num_key_value_heads", None) or heads)
-    per_position = kv_bytes_per_position(int(mc.num_hidden_layers), kv_heads, head_dim, dtype)  # type: ignore[attr-defined]
+    per_position = kv_bytes_per_position(int(mc.num_hidden_layers), kv_heads, head_dim, dtype)
     context = getattr(mc, "max_position_embeddings", None)
     plan = machine_plan(device, per_position, context if isinstance(context, int) else None,
                         1 + config.prefix_cache_slots, None if config.auto_context else config.max_model_len)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class TextTracker:
     """Incremental detokenization with stop strings, for streaming deltas that never need retracting.
@@ -13,7 +18,7 @@ class TextTracker:
     string, so a client never sees half a character or the start of a stop string.
     """
 
-    def __init__(self, tokenizer: object, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
         # A fast tokenizer's Rust decoder directly (4x cheaper per call than the Python wrapper), unless
         # the wrapper would post-process the text (clean_up_tokenization_spaces).
@@ -31,7 +36,7 @@ class TextTracker:
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
             return str(self._backend.decode(ids, skip_special_tokens=True))
-        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))  # one id list: one string
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add one generated token; return (text delta to emit, True when a stop string matched)."""

@@ -14,11 +14,15 @@ request is reproducible; without one every choice draws fresh entropy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from serving.engine.request import GenerationResult
 from serving.engine.sampling import SEED_RANGE, SamplingParams
 from serving.errors import EngineNotReady, GenerationFailed, InvalidRequest, RequestTimedOut
-from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class Choice:
     shared_prefix: str = ""
 
 
-def chat_prompt(tokenizer: object, body: ChatCompletionRequest) -> str:
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> str:
     """The chat-templated prompt of ``body`` (with the assistant turn opened).
 
     Raises:
@@ -68,13 +72,13 @@ def chat_prompt(tokenizer: object, body: ChatCompletionRequest) -> str:
     """
     messages = [m.template_dict() for m in body.messages]
     try:
-        return str(tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        return str(tokenizer.apply_chat_template(  # tokenize=False: the prompt text
             messages, tokenize=False, add_generation_prompt=True))
     except Exception as exc:  # templates raise on unsupported role orders
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
 
-def template_prefix(tokenizer: object, body: ChatCompletionRequest, prompt: str) -> str:
+def template_prefix(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest, prompt: str) -> str:
     """The leading text of the chat ``prompt`` the template writes before the first message's content.
 
     It is the server's text (the template's markup, a default system prompt), not the caller's: the
@@ -85,7 +89,7 @@ def template_prefix(tokenizer: object, body: ChatCompletionRequest, prompt: str)
     messages = [m.template_dict() for m in body.messages]
     messages[0] = {**messages[0], "content": marker}
     try:
-        probe = str(tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        probe = str(tokenizer.apply_chat_template(  # tokenize=False: the prompt text
             messages, tokenize=False, add_generation_prompt=True))
     except Exception:  # noqa: BLE001 - a template refusing the marker: nothing is shared
         return ""
@@ -93,22 +97,22 @@ def template_prefix(tokenizer: object, body: ChatCompletionRequest, prompt: str)
     return head if prompt.startswith(head) else ""
 
 
-def encode(tokenizer: object, text: str) -> tuple[int, ...]:
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, ...]:
     """``text``'s token ids as the engine tokenizes a prompt (no special tokens added).
 
     Raises:
         InvalidRequest: the text cannot be tokenized (lone surrogates).
     """
     try:
-        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     except (UnicodeError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"the prompt is not valid text ({type(exc).__name__}: {exc})", param="prompt") from exc
 
 
-def decode(tokenizer: object, ids: tuple[int, ...] | list[int]) -> str:
+def decode(tokenizer: PreTrainedTokenizerBase, ids: tuple[int, ...] | list[int]) -> str:
     """The text of token ids (special tokens skipped, as completions are)."""
     try:
-        return str(tokenizer.decode(list(ids), skip_special_tokens=True))  # type: ignore[attr-defined]
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))  # one id list: one string
     except (IndexError, OverflowError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"prompt token ids do not decode: {exc}", param="prompt") from exc
 
@@ -176,7 +180,7 @@ def _or(value: float | None, default: float) -> float:
     return default if value is None else float(value)
 
 
-def choices(body: SamplingFields, tokenizer: object, limits: Limits) -> list[Choice]:
+def choices(body: SamplingFields, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[Choice]:
     """Every engine request ``body`` asks for, in response order.
 
     Raises:
@@ -186,8 +190,8 @@ def choices(body: SamplingFields, tokenizer: object, limits: Limits) -> list[Cho
     prompts: list[str | list[int]]
     shared = ""
     if isinstance(body, ChatCompletionRequest):
-        prompts = [chat_prompt(tokenizer, body)]
-        shared = template_prefix(tokenizer, body, prompts[0])
+        chat = chat_prompt(tokenizer, body)
+        prompts, shared = [chat], template_prefix(tokenizer, body, chat)
     elif isinstance(body, CompletionRequest):
         prompts = body.prompts()
     else:

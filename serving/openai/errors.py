@@ -12,7 +12,7 @@ from typing import Any
 
 from adapters import AdapterError
 from serving import errors
-from serving.openai.protocol import ErrorBody, ErrorResponse
+from serving.openai.schemas import ErrorBody, ErrorResponse
 
 # exception class -> (status, OpenAI error type, code)
 _DOMAIN: tuple[tuple[type[Exception], int, str, str], ...] = (
@@ -65,8 +65,8 @@ def validation_payload(problems: Sequence[Mapping[str, Any]]) -> dict[str, objec
     param = _param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
-        msg = ("unknown field: not an OpenAI or vLLM parameter this server implements (see the README's "
-               "parameter table)")
+        msg = ("unknown field: not an OpenAI or vLLM parameter this server implements (see the "
+               "parameter table in docs/serving.md)")
     message = f"{param}: {msg}" if param else msg
     return ErrorResponse(error=ErrorBody(message=message, type="BadRequestError", param=param,
                                          code="invalid_request")).model_dump()

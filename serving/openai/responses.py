@@ -24,12 +24,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.engine.request import GenerationResult
 from serving.engine.sampling import TokenLogprob
 from serving.openai.builders import Choice, finish_reason
 from serving.targets import TargetPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PUBLIC_ROUTE_INFO = ("source", "mode")  # what a FedDPA response says without details
 FLOOR = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
@@ -68,14 +71,14 @@ def _finite(value: float) -> float:
 class TokenText:
     """Token id -> its text as logprobs show it (special tokens included), memoised per response."""
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._seen: dict[int, str] = {}
 
     def __call__(self, token: int) -> str:
         text = self._seen.get(token)
         if text is None:
-            text = str(self.tokenizer.decode([token], skip_special_tokens=False))  # type: ignore[attr-defined]
+            text = str(self.tokenizer.decode([token], skip_special_tokens=False))  # one id list: one string
             self._seen[token] = text
         return text
 
@@ -116,7 +119,8 @@ class ChatShape:
 
     endpoint = "chat"
 
-    def __init__(self, tokenizer: object, head: dict[str, Any], details: bool, top_logprobs: int | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, head: dict[str, Any], details: bool,
+                 top_logprobs: int | None) -> None:
         self.text, self.head, self.details, self.k = TokenText(tokenizer), head, details, top_logprobs
 
     def _logprobs(self, result: GenerationResult) -> dict[str, Any] | None:
@@ -162,7 +166,8 @@ class CompletionShape:
 
     endpoint = "completions"
 
-    def __init__(self, tokenizer: object, head: dict[str, Any], details: bool, logprobs: int | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, head: dict[str, Any], details: bool,
+                 logprobs: int | None) -> None:
         self.text, self.head, self.details, self.k = TokenText(tokenizer), head, details, logprobs
 
     def _logprobs(self, answer: Answer) -> dict[str, Any] | None:

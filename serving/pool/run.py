@@ -6,7 +6,7 @@ client's local adapter, and
 records each client's embedding files for FedDPA routing (paper 000 section 4.3) without reading
 them. Local adapters are loaded while the pool has free slots and registered unloaded beyond that
 (:meth:`~serving.pool.pool.AdapterPool.register`; they load on first use like evicted ones), so a
-run with 1,000 clients starts without reading 1,000 adapters (``bench/serve_scale.py``).
+run with 1,000 clients starts without reading 1,000 adapters (``bench/serving/scale.py``).
 """
 
 from __future__ import annotations

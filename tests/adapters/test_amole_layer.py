@@ -9,7 +9,8 @@ import torch
 from adapters import AdapterError, LoraConfig, inject
 from adapters.amole import amole_forward
 from adapters.amole_layer import SHARED, add_amole_experts, amole_parameters, expert_name, token_proj_state
-from adapters.amole_routing import AMoLEExperts, AMoLERouting, ExpertRecorder
+from adapters.amole_routing import AMoLEExperts, AMoLERouting
+from adapters.amole_union import ExpertRecorder
 from models import LoadedModel
 
 IDS = torch.tensor([[5, 17, 33, 8], [9, 10, 11, 12], [3, 4, 5, 6]])

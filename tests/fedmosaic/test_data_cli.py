@@ -63,3 +63,14 @@ def test_unknown_names_and_clients_are_errors(tmp_path: Path, monkeypatch: pytes
         main(["data", "show", "generated", "--n", "0"])
     with pytest.raises(SystemExit):
         main(["data"])  # an action is required
+
+
+def test_list_without_a_data_folder_says_how_to_set_one(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("FEDMOSAIC_DATA_DIR", raising=False)  # no default folder beside the checkout
+    assert main(["data", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "benchmark data folder: none (set FEDMOSAIC_DATA_DIR to the folder holding feddpa/" in out
+    feddpa1 = out.split("feddpa1:")[1].split("feddpa2:")[0]
+    assert "not available: benchmark data 'feddpa1' needs FEDMOSAIC_DATA_DIR, which is not set" in feddpa1
+    assert "generated:" in out and "not available" not in out.split("generated:")[1].split("feddpa1:")[0]

@@ -46,7 +46,7 @@ def test_serve_settings_and_the_flower_config_carry_a_checked_device(one_gpu: No
 
     from serving.settings import ServeSettings
     from serving.stack import stack_config
-    from training.flower import FlowerConfig, client_resources
+    from training.flower.app import FlowerConfig, client_resources
 
     assert ServeSettings().device is None
     assert stack_config(ServeSettings(device="cuda:0")).device == "cuda:0"
@@ -74,11 +74,12 @@ def test_pyproject_declares_the_flower_device_key_and_the_cuda_marker() -> None:
 
 def test_a_run_records_its_device(tmp_path: Path) -> None:
     from training.data import generate_suite
-    from training.runtime import preset
+    from training.federation.rounds import RoundConfig
+    from training.local.runtime import preset
     from training.simulation import SimConfig, run_federated
 
     data = generate_suite(seed=0, n_train=4, n_test=1, families=["date_format", "sorting"])
-    run_federated("fedit", data, tiny_llama(), tmp_path / "run", SimConfig(rounds=1, embed=False),
+    run_federated("fedit", data, tiny_llama(), tmp_path / "run", SimConfig(RoundConfig(rounds=1), embed=False),
                   preset("tiny", max_steps=1))
     assert json.loads((tmp_path / "run" / "run.json").read_text())["device"] == "cpu"
 

@@ -21,11 +21,11 @@ from routing.cache import IndexCache, index_pooling
 from routing.calibration import Calibration, fingerprint
 from routing.feddpa import FedDPARouter
 from routing.feddpa_options import FedDPAOptions
+from routing.instance import InstanceWeightRouter
 from serving.cli import add_serve_arguments, settings_from_args
-from serving.feddpa_router import InstanceWeightRouter
 from serving.stack import stack_config
 from training.data import load_run_dataset
-from training.personalize import instance_prompts
+from training.federation.personalize import instance_prompts
 
 TRAIN = ["train", "--method", "feddpa-t", "--data", "generated", "--n-train", "4", "--n-test", "1",
          "--families", "sorting,capitals", "--rounds", "2", "--model", "tiny", "--preset", "tiny"]

@@ -4,7 +4,7 @@ mamba-ssm has no wheel on PyPI; build it for the GPU with ``../shared/gpu/mamba_
 into ``../shared/gpu/mamba-ssm``, which ``make test-gpu`` puts on ``PYTHONPATH`` (elsewhere: ``make test-gpu
 MAMBA_SSM=TARGET``). Without it the kernel test is skipped with that reason. Measured on an
 H100 (torch 2.11+cu130, mamba-ssm 2.3.2.post1): forward 1.8e-7, gradients 8.1e-7 relative. The whole
-learner on the kernel is compared in tests/training/test_pfedseq_learner.py (also marked ``cuda``).
+learner on the kernel is compared in tests/training/algorithms/test_pfedseq_learner.py (also marked ``cuda``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.seqlearn import ssm
-from training.seqlearn.scan import selective_scan
+from training.algorithms.pfedseq import ssm
+from training.algorithms.pfedseq.scan import selective_scan
 
 pytestmark = pytest.mark.cuda
 

@@ -25,9 +25,10 @@ from models import load_base_model, tiny_llama
 from routing.feddpa_options import FedDPAOptions
 from serving.beam import GenerationConfig, generate_target
 from serving.engine.sampling import SamplingParams
-from serving.stack import Job, Outcome, StackConfig, build_stack
+from serving.stack import Job, JobOutcome, StackConfig, build_stack
 from training.data import generate_suite
-from training.runtime import preset
+from training.federation.rounds import RoundConfig
+from training.local.runtime import preset
 from training.simulation import SimConfig, run_federated
 
 pytestmark = pytest.mark.cuda
@@ -46,13 +47,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path
     for method, options in OPTIONS.items():
         for device in ("cpu", "cuda"):
             folder = tmp_path_factory.mktemp("runs") / f"{method}-{device}"
-            run_federated(method, data, load_base_model("tiny", device=device), folder, SimConfig(rounds=2),
-                          preset("tiny", max_steps=2), options, data_spec="generated", model_name="tiny")
+            run_federated(method, data, load_base_model("tiny", device=device), folder,
+                          SimConfig(RoundConfig(rounds=2)), preset("tiny", max_steps=2), options, data_spec="generated",
+                          model_name="tiny")
             out[(method, device)] = folder
     return out
 
 
-def _serve(run: Path, device: str) -> list[Outcome]:
+def _serve(run: Path, device: str) -> list[JobOutcome]:
     config = StackConfig(model="tiny", dtype="float32", device=device, run_dir=run, feddpa=FedDPAOptions(mode="knn"))
     stack = build_stack(config)
     assert stack.loaded.device.type == device
@@ -95,7 +97,7 @@ def _reference(run: Path) -> dict[str, Reference]:
     return dict.fromkeys(("global", "sorting:local", *FAMILIES), (adapted, loaded.tokenizer, {}))
 
 
-def _assert_cpu_argmax(references: dict[str, Reference], outcome: Outcome) -> None:
+def _assert_cpu_argmax(references: dict[str, Reference], outcome: JobOutcome) -> None:
     adapted, tokenizer, amole = references[outcome.job.target]
     assert outcome.result is not None and outcome.job.prompt is not None
     prompt = list(tokenizer(outcome.job.prompt, add_special_tokens=False)["input_ids"])  # type: ignore[operator]

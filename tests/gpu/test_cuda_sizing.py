@@ -1,10 +1,10 @@
-"""On a CUDA GPU (``make test-gpu``, issue 46): caches sized to the job and the card, AMoLE's benchmark and
-the host-work counts on a real device.
+"""On a CUDA GPU (``make test-gpu``, issue 46): caches sized to the job and the card, and the host-work counts
+on a real device (AMoLE's serving benchmark there: tests/bench/serving/test_amole.py).
 
 A random SmolLM2-shaped model in bf16: ``fedmosaic eval``'s backend grows its engine to a long prompt
 (2^20 positions, the old "no cap", were 292 GiB), a default engine takes as many slots as 0.8 x the free
-memory holds, bench/amole_serving.py runs its first forward (it failed there), and a decode step's
-synchronisations are counted without depending on its rows. Skipped without a GPU (tests/conftest.py).
+memory holds, and a decode step's synchronisations are counted without depending on its rows. Skipped
+without a GPU (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from serving.engine import Engine, EngineConfig, StepReport
 from serving.engine.request import GenerationRequest
 from serving.engine.sampling import SamplingParams
 from serving.stack import StackConfig, build_stack
-from tests.bench_script import load_bench
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,12 +58,6 @@ def test_a_default_engine_fills_its_share_of_the_free_memory(smollm2: LoadedMode
     assert all(len(r.token_ids) == 4 for r in results)
     del engine
     torch.cuda.empty_cache()
-
-
-def test_the_amole_serving_benchmark_runs_on_cuda() -> None:
-    bench = load_bench("amole_serving")
-    out = bench.measure(tiny_llama(device="cuda"), batch=4, tokens=8, steps=2, repeats=1, experts=8)
-    assert out["device"] == "cuda:0" and out["results"]["amole_8_clients"]["decode_step_s"] > 0
 
 
 def test_decode_steps_sync_as_often_whatever_their_rows() -> None:

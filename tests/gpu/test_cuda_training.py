@@ -24,11 +24,13 @@ from adapters.amole_layer import add_amole_experts, token_proj_state
 from fedmosaic.cli import main
 from models import load_base_model
 from training.algorithms import get_method
-from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
+from training.algorithms.pfedseq.method import PFedSeqConfig, PFedSeqStrategy
 from training.data import generate_suite
-from training.protocol import ClientContext, FitIns, FitRes, StateDict
-from training.runtime import Runtime, TrainConfig, preset
+from training.federation.rounds import RoundConfig
+from training.local.runtime import Runtime, TrainConfig, preset
+from training.protocol import ClientContext, FitIns, FitRes
 from training.simulation import SimConfig, run_federated
+from training.state import StateDict
 
 pytestmark = pytest.mark.cuda
 
@@ -118,8 +120,8 @@ def test_a_bf16_feddpa_t_round_on_cuda_moves_the_adapters_as_the_fp32_cpu_round(
 
 def _run(method: str, device: str, out: Path, options: dict | None = None, train: TrainConfig = TRAIN) -> Path:
     data = generate_suite(n_train=4, n_test=1, families=["sorting", "capitals"])
-    run_federated(method, data, load_base_model("tiny", device=device), out, SimConfig(rounds=2), train, options,
-                  data_spec="generated")
+    run_federated(method, data, load_base_model("tiny", device=device), out, SimConfig(RoundConfig(rounds=2)), train,
+                  options, data_spec="generated")
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 
 from serving.engine import kernels
 from serving.engine.kernels import reference
-from tests.serving.kernel_inputs import attention_case, rand, rotary_case
+from tests.serving.engine.kernels.kernel_inputs import attention_case, rand, rotary_case
 
 
 def _compiled_triton() -> bool:

@@ -1,16 +1,25 @@
-"""Shared helpers for the serving tests: adapters whose random B makes them change the outputs, and waiting
-for an app to be ready."""
+"""Shared helpers for the serving tests: adapters whose random B makes them change the outputs, a FedDPA run
+folder of them, and the API over a tiny stack: a ready in-process client, a free port, a live server's health.
+The fixtures built on them are in ``tests/serving/conftest.py``."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import httpx
 import torch
 from fastapi.testclient import TestClient
 
 from adapters import AdaptedModel, LoraConfig, inject, save_adapter
-from models import LoadedModel
+from models import LoadedModel, tiny_llama
+from serving.api import create_app
+from serving.settings import ServeSettings
 
 CONFIG = LoraConfig(r=4, alpha=8.0, dropout=0.0)
 
@@ -53,3 +62,45 @@ def wait_ready(client: TestClient, seconds: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(client.get("/health").json())
+
+
+@contextmanager
+def ready_client(settings: ServeSettings, **client: Any) -> Iterator[TestClient]:
+    """A TestClient over ``create_app(settings)`` (``client``: TestClient's options), once its stack is loaded."""
+    with TestClient(create_app(settings), **client) as opened:
+        wait_ready(opened)
+        yield opened
+
+
+def write_feddpa_run(run: Path, clients: Sequence[str], tiny: LoadedModel | None = None,
+                     inference_weight: float | None = 0.25, first_seed: int = 10) -> Path:
+    """Write a FedDPA-T run folder for the tiny model: ``global`` (seed 1), each client's local adapter (seeds
+    ``first_seed``, ``first_seed + 1``...) and ``run.json`` (without ``inference_weight`` when None)."""
+    tiny = tiny if tiny is not None else tiny_llama()
+    write_adapter(tiny, run / "adapters" / "global", seed=1)
+    for i, client in enumerate(clients):
+        write_adapter(tiny, run / "adapters" / "clients" / client / "local", seed=first_seed + i)
+    meta: dict[str, Any] = {"method": "feddpa-t", "model": "tiny"}
+    if inference_weight is not None:
+        meta["inference_weight"] = inference_weight
+    (run / "run.json").write_text(json.dumps(meta))
+    return run
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, tries: int = 600) -> None:
+    """Poll ``<url>/health`` (every 50 ms, ``tries`` times) until a live server answers 200; a server still
+    starting refuses the connection. Returns either way: the caller's next request says what went wrong."""
+    for _ in range(tries):
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)

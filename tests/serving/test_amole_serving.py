@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from adapters import LoraConfig, inject
 from adapters.amole_io import load_amole, read_amole_meta, save_amole
 from adapters.amole_layer import add_amole_experts
-from adapters.amole_routing import AMoLERouting, ExpertRecorder
+from adapters.amole_routing import AMoLERouting
+from adapters.amole_union import ExpertRecorder
 from models import LoadedModel, tiny_llama
-from serving.api.app import create_app
 from serving.engine import Engine
 from serving.engine.request import GenerationRequest, GenerationResult
 from serving.engine.sampling import SamplingParams
@@ -24,7 +23,7 @@ from serving.errors import AdapterExists, AdapterNotFound, InvalidRequest
 from serving.pool import AdapterPool
 from serving.settings import ServeSettings
 from serving.targets import TargetResolver
-from tests.serving.helpers import wait_ready, write_adapter
+from tests.serving.helpers import ready_client, write_adapter
 
 NUM_EXPERTS = 6
 PROMPTS = {"c0": "Sort these words", "c1": "The capital of France is", "c2": "twelve plus seven"}
@@ -262,20 +261,20 @@ def test_hot_reload_keeps_in_flight_requests_on_their_version(served, root: Path
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from training.data import generate_suite
-    from training.runtime import preset
+    from training.federation.rounds import RoundConfig
+    from training.local.runtime import preset
     from training.simulation import SimConfig, run_federated
 
     out = tmp_path_factory.mktemp("trained") / "run"
     run_federated("fedamole", generate_suite(n_train=6, n_test=2, families=["sorting", "capitals"]), tiny_llama(),
-                  out, SimConfig(rounds=1), preset("tiny"), {"num_experts": 4}, data_spec="generated",
+                  out, SimConfig(RoundConfig(rounds=1)), preset("tiny"), {"num_experts": 4}, data_spec="generated",
                   model_name="tiny")
     return out
 
 
 def test_api_serves_a_trained_fedamole_run(trained_run: Path) -> None:
     settings = ServeSettings(model="tiny", run_dir=trained_run, allow_runtime_lora=True)
-    with TestClient(create_app(settings)) as client:
-        wait_ready(client)
+    with ready_client(settings) as client:
         cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
         # export=local: each client's own model serves its name, the aggregated pool amole:<client>
         assert list(cards) == ["tiny", "capitals", "sorting", "amole:sorting", "amole:capitals"]

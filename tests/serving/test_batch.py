@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from fedmosaic.cli import main
-from models import tiny_llama
 from routing.feddpa_options import FedDPAOptions
-from serving.api import create_app
 from serving.batch import BatchConfig, parse_line, run_batch
 from serving.engine import EngineConfig
 from serving.settings import ServeSettings
-from serving.stack import Job, Outcome, ServingStack, StackConfig, build_stack
-from tests.serving.helpers import write_adapter
+from serving.stack import Job, JobOutcome, ServingStack, StackConfig, build_stack
+from tests.serving.helpers import ready_client, write_feddpa_run
 
 CHAT = {"model": "0", "messages": [{"role": "user", "content": "Sort: pear, apple"}], "max_tokens": 5,
         "temperature": 0}
@@ -26,13 +22,7 @@ CHAT = {"model": "0", "messages": [{"role": "user", "content": "Sort: pear, appl
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("batch") / "run"
-    tiny = tiny_llama()
-    write_adapter(tiny, run / "adapters" / "global", seed=1)
-    for i, client in enumerate(("0", "1")):
-        write_adapter(tiny, run / "adapters" / "clients" / client / "local", seed=10 + i)
-    (run / "run.json").write_text(json.dumps({"method": "feddpa-t", "model": "tiny", "inference_weight": 0.25}))
-    return run
+    return write_feddpa_run(tmp_path_factory.mktemp("batch") / "run", ("0", "1"))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +36,7 @@ class Counting:
     def __init__(self, stack: ServingStack) -> None:
         self.stack, self.jobs, self.max_running = stack, [], 0
 
-    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[Outcome]:
+    def run(self, jobs: Iterable[Job], window: int | None = None) -> Iterator[JobOutcome]:
         self.jobs = list(jobs)
         for outcome in self.stack.run(self.jobs, window):
             self.max_running = max(self.max_running, self.stack.engine.stats().running + 1)
@@ -115,11 +105,7 @@ def test_batch_file_in_openai_format(stack: ServingStack, run_dir: Path, tmp_pat
     assert not (tmp_path / "out.jsonl.partial").exists()
 
     # the same request over HTTP gets the same answer (the builders are shared)
-    with TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, routing_details="all"))) as client:
-        for _ in range(300):
-            if client.get("/health").status_code == 200:
-                break
-            time.sleep(0.05)
+    with ready_client(ServeSettings(model="tiny", run_dir=run_dir, routing_details="all")) as client:
         http = client.post("/v1/chat/completions", json=CHAT).json()
     assert http["choices"] == chat["choices"] and http["usage"] == chat["usage"]
     assert http["fedmosaic"] == chat["fedmosaic"]
@@ -192,11 +178,7 @@ def test_a_line_with_several_choices_and_logprobs_matches_http(stack: ServingSta
     got = json.loads((tmp_path / "out.jsonl").read_text())["response"]["body"]
     assert "choices" in got, got
     assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
-    with TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, routing_details="all"))) as client:
-        for _ in range(300):
-            if client.get("/health").status_code == 200:
-                break
-            time.sleep(0.05)
+    with ready_client(ServeSettings(model="tiny", run_dir=run_dir, routing_details="all")) as client:
         http = client.post("/v1/completions", json=body).json()
     assert [c["text"] for c in http["choices"]] == [c["text"] for c in got["choices"]]
     assert [c["logprobs"]["tokens"] for c in http["choices"]] == [c["logprobs"]["tokens"] for c in got["choices"]]

@@ -4,7 +4,7 @@ The model sits on the pretend ``cuda:0`` of :class:`tests.devicecheck.ShadowDevi
 (beam search, the routed prefill of :func:`serving.beam.plan_weights`) must create nothing off the
 model's device and answer as on the CPU. The continuous-batching engine is being rewritten for GPUs
 (issue 22 part 3): its test is a strict xfail until it runs clean under the check, and then it must pass.
-``fedmosaic batch``'s runner and bench/amole_serving.py run under the check too (issue 46).
+``fedmosaic batch``'s runner runs under the check too (issue 46; AMoLE's serving benchmark: tests/bench/serving).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from serving.batch import BatchConfig, run_batch
 from serving.beam import GenerationConfig, generate, generate_target
 from serving.engine.sampling import SamplingParams
 from serving.stack import Job, ServingStack, StackConfig, build_stack
-from tests.bench_script import load_bench
 from tests.devicecheck import ShadowDevice
 from training.data import generate_suite
-from training.runtime import preset
+from training.federation.rounds import RoundConfig
+from training.local.runtime import preset
 from training.simulation import SimConfig, run_federated
 
 PROMPTS = ["### Instruction:\nSort: pear apple\n\n### Response:\n", "Capital of Peru?", "hi"]
@@ -80,8 +80,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for method, options in (("feddpa-t", {}), ("fedamole", {"num_experts": 2, "expert_choices": 2})):
         out[method] = tmp_path_factory.mktemp("runs") / method
-        run_federated(method, data, tiny_llama(), out[method], SimConfig(rounds=2), preset("tiny", max_steps=1),
-                      options, data_spec="generated", model_name="tiny")
+        run_federated(method, data, tiny_llama(), out[method], SimConfig(RoundConfig(rounds=2)),
+                      preset("tiny", max_steps=1), options, data_spec="generated", model_name="tiny")
     return out
 
 
@@ -137,12 +137,3 @@ def test_a_batch_file_is_answered_on_the_models_device(runs: dict[str, Path], tm
     plain = run(None, "plain.jsonl")
     with ShadowDevice() as shadow:
         assert run(shadow, "pretend.jsonl") == plain
-
-
-def test_the_amole_serving_benchmark_runs_on_the_models_device() -> None:
-    """bench/amole_serving.py made its prompt ids on the CPU and failed on CUDA at its first forward."""
-    bench = load_bench("amole_serving")
-    with ShadowDevice() as shadow:
-        out = bench.measure(_loaded(shadow), batch=2, tokens=4, steps=1, repeats=1, experts=8)
-    assert out["device"] == "cuda:0" and set(out["results"]) == {"base", "lora_per_row", "amole_1_client",
-                                                                  "amole_8_clients", "amole_8_recorded"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -9,35 +10,25 @@ from fastapi.testclient import TestClient
 
 from models import tiny_llama
 from routing.feddpa_options import FedDPAOptions
-from serving.api.app import create_app
 from serving.settings import ServeSettings
-from tests.serving.helpers import wait_ready
-from training.data import generate_suite
-from training.runtime import preset
-from training.simulation import SimConfig, run_federated
+from tests.serving.helpers import ready_client
 
-FAMILIES = ["sorting", "capitals"]
 PAPER_S2 = FedDPAOptions(weighting="paper", samples=2)  # the paper's rule over S = 2 instances
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "run"
-    run_federated("feddpa-t", generate_suite(n_train=6, n_test=2, families=FAMILIES), tiny_llama(), out,
-                  SimConfig(rounds=2), preset("tiny"), {"alpha": 0.5}, data_spec="generated",
-                  model_name="tiny")
-    return out
+def run_dir(feddpa_run: Path) -> Path:
+    return feddpa_run  # trained once for the serving tests (sorting, capitals); copied before a change
 
 
-def serve(run_dir: Path, routing: str, **settings: object) -> TestClient:
+def serve(run_dir: Path, routing: str, **settings: object) -> AbstractContextManager[TestClient]:
     settings.setdefault("feddpa_weighting", None if routing == "fixed" else "paper")  # the paper rule's tests
-    return TestClient(create_app(ServeSettings(model="tiny", run_dir=run_dir, feddpa_routing=routing,
-                                               **settings)))  # type: ignore[arg-type]
+    return ready_client(ServeSettings(model="tiny", run_dir=run_dir, feddpa_routing=routing,
+                                      **settings))  # type: ignore[arg-type]
 
 
 def test_instance_weights_follow_the_paper_rule(run_dir: Path) -> None:
     with serve(run_dir, "instance", routing_details="all") as client:
-        wait_ready(client)
         body = client.post("/v1/chat/completions", json={
             "model": "sorting", "max_tokens": 3, "temperature": 0,
             "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}).json()
@@ -56,7 +47,6 @@ def test_calibrated_weights_by_default_from_the_clients_own_calibration(run_dir:
     from routing.calibration import Calibration
 
     with serve(run_dir, "instance", feddpa_weighting=None, routing_details="all") as client:
-        wait_ready(client)
         body = client.post("/v1/chat/completions", json={
             "model": "sorting", "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "Sort these words alphabetically: pear, apple"}]}).json()
@@ -70,7 +60,6 @@ def test_calibrated_weights_by_default_from_the_clients_own_calibration(run_dir:
 
 def test_fixed_mode_uses_the_runs_alpha(run_dir: Path) -> None:
     with serve(run_dir, "fixed") as client:
-        wait_ready(client)
         body = client.post("/v1/chat/completions", json={
             "model": "capitals", "max_tokens": 2, "messages": [{"role": "user", "content": "Capital of Peru?"}]}).json()
         assert body["fedmosaic"]["weights"] == {"global": 0.5, "capitals:local": 0.5}
@@ -79,7 +68,7 @@ def test_fixed_mode_uses_the_runs_alpha(run_dir: Path) -> None:
 def test_seeded_random_draws_depend_on_the_prompt_not_on_request_order(run_dir: Path) -> None:
     import torch
 
-    from serving.feddpa_router import InstanceWeightRouter
+    from routing.instance import InstanceWeightRouter
 
     width = tiny_llama().model.config.hidden_size
     states = [torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in range(6)]
@@ -97,11 +86,12 @@ def test_seeded_random_draws_key_on_the_prompt_ids_not_the_states_rounding(run_d
     the prompt's ids the draw (and so the weight) stays put; other prompts draw other instances."""
     import torch
 
-    from serving.feddpa_router import InstanceWeightRouter
+    from routing.base import WeightRouter
+    from routing.instance import InstanceWeightRouter
 
     width = tiny_llama().model.config.hidden_size
     router = InstanceWeightRouter.for_run(run_dir, lambda_=0.5, options=PAPER_S2, seed=0)
-    assert router.reads_prompt_ids
+    assert isinstance(router, WeightRouter) and router.uses_state  # the engine hands it the state and the ids
     state = torch.randn(width, generator=torch.Generator().manual_seed(3))
     nudged = state + 1e-6 * torch.randn(width, generator=torch.Generator().manual_seed(4))
     ids = [[7, 8, 9, n] for n in range(8)]
@@ -118,7 +108,6 @@ SORT = {"model": "sorting", "max_tokens": 2, "temperature": 0,
 def test_routing_details_are_for_admin_keys_by_default(run_dir: Path) -> None:
     """Privacy default: a user sees the mode and the weights, never the similarity to stored instances."""
     with serve(run_dir, "instance", api_keys=["user"], admin_keys=["admin"]) as client:
-        wait_ready(client)
         user = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer user"}).json()
         admin = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer admin"}).json()
     assert user["fedmosaic"]["info"] == {"source": "instance", "mode": "random"}
@@ -126,7 +115,6 @@ def test_routing_details_are_for_admin_keys_by_default(run_dir: Path) -> None:
     assert user["fedmosaic"]["weights"] == pytest.approx(admin["fedmosaic"]["weights"], abs=1e-6)
     assert {"mean_similarity", "S", "lambda", "a"} <= set(admin["fedmosaic"]["info"])
     with serve(run_dir, "instance", routing_details="none", admin_keys=["admin"]) as client:
-        wait_ready(client)
         hidden = client.post("/v1/chat/completions", json=SORT, headers={"Authorization": "Bearer admin"}).json()
     assert "mean_similarity" not in hidden["fedmosaic"]["info"]
 
@@ -141,7 +129,6 @@ def test_a_reloaded_clients_index_is_read_again(run_dir: Path, tmp_path: Path) -
     shutil.copytree(run_dir, run)
     folder = run / "adapters" / "clients" / "sorting"
     with serve(run, "instance", routing_details="all", admin_keys=["admin"]) as client:
-        wait_ready(client)
         auth = {"Authorization": "Bearer admin"}
         before = client.post("/v1/chat/completions", json=SORT, headers=auth).json()["fedmosaic"]["info"]
         EmbeddingIndex(-EmbeddingIndex.load(folder).raw).save(folder)  # retrained: other instances
@@ -169,7 +156,6 @@ def test_a_clients_broken_calibration_is_the_servers_fault_and_spares_the_others
     path = run / "adapters" / "clients" / "capitals" / CALIBRATION_FILE
     path.write_text(json.dumps({**json.loads(path.read_text()), "shrinkage": 5}))
     with serve(run, "instance", feddpa_weighting=None) as client:
-        wait_ready(client)
         broken = client.post("/v1/chat/completions", json={
             "model": "capitals", "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "Capital of Peru?"}]})
@@ -182,7 +168,6 @@ def test_a_clients_broken_calibration_is_the_servers_fault_and_spares_the_others
 def test_feddpa_prefill_exact_runs_the_prompt_twice_and_once_keeps_the_routing_pass(run_dir: Path,
                                                                                     prefill: str) -> None:
     with serve(run_dir, "instance", feddpa_prefill=prefill) as client:
-        wait_ready(client)
         engine = client.app.state.server.engine  # type: ignore[attr-defined]
         seen: list[int] = []
         engine.step_observers.append(lambda report: seen.append(report.prefill_tokens))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from adapters import inject
 from models import LoadedModel
 from routing import RoutingDecision
+from routing.base import Pooling
 from serving.cli import add_serve_arguments, settings_from_args
 from serving.engine import Engine
 from serving.engine.request import GenerationRequest
@@ -27,11 +29,13 @@ class RecordingRouter:
     """A router reading the prompt state, as routing's FedDPA router does (a from the state norm)."""
 
     uses_state = True
+    pooling: Pooling = "last"
 
     def __init__(self) -> None:
         self.states: list[torch.Tensor] = []
 
-    def __call__(self, client: str, hidden_state: torch.Tensor | None) -> RoutingDecision:
+    def __call__(self, client: str, hidden_state: torch.Tensor | None,
+                 prompt_ids: Sequence[int] | None = None) -> RoutingDecision:
         assert hidden_state is not None
         self.states.append(hidden_state)
         a = 0.3

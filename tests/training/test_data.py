@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from models import settings
 from training.data import (
     IGNORE,
     DataError,
     PromptConfig,
     Record,
     collate,
+    data_dir,
     dirichlet,
     format_prompt,
     generate_suite,
@@ -58,7 +58,7 @@ def test_feddpa_format_fixture_and_duplicates(tmp_path: Path) -> None:
     assert ds.duplicates == 1 and len(ds.tests["snli"]) == 4 and ds.tasks == ["snli", "cola"]
 
 
-@pytest.mark.skipif(settings.data_dir() is None, reason="benchmark data (../shared/data) not present")
+@pytest.mark.skipif(data_dir() is None, reason="benchmark data not present (FEDMOSAIC_DATA_DIR unset)")
 def test_real_benchmarks() -> None:
     ds = load_dataset("feddpa1")
     assert [len(c.train) for c in ds.clients] == [300] * 8
@@ -92,7 +92,12 @@ def test_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(DataError, match="must hold a JSON list"):
         load_folder(tmp_path / "d")
     monkeypatch.setenv("FEDMOSAIC_DATA_DIR", str(tmp_path / "nowhere"))
-    with pytest.raises(DataError, match="FEDMOSAIC_DATA_DIR"):
+    assert data_dir() == tmp_path / "nowhere"
+    with pytest.raises(DataError, match="does not exist; set FEDMOSAIC_DATA_DIR to the folder holding feddpa/"):
+        load_dataset("feddpa1")
+    monkeypatch.delenv("FEDMOSAIC_DATA_DIR")  # no default folder: the error says how to set one
+    assert data_dir() is None
+    with pytest.raises(DataError, match=r"needs FEDMOSAIC_DATA_DIR, which is not set: .*export FEDMOSAIC_DATA_DIR="):
         load_dataset("feddpa1")
 
 
@@ -207,14 +212,14 @@ def test_read_records_without_outputs_only_when_asked(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(settings.data_dir() is None, reason="FedDPA data sets not present (FEDMOSAIC_DATA_DIR)")
+@pytest.mark.skipif(data_dir() is None, reason="FedDPA data sets not present (FEDMOSAIC_DATA_DIR unset)")
 def test_every_presets_cutoff_keeps_every_training_example_of_both_feddpa_sets() -> None:
     # at 192 / 256 tokens (the former small / medium) hellaswag lost 201 / 58 of its 300 training examples
     from transformers import AutoTokenizer
 
     from models.prepare import prepare_smollm2
     from training.data import PromptConfig, tokenize_record
-    from training.regime import BUDGETS
+    from training.local.regime import BUDGETS
 
     tok = AutoTokenizer.from_pretrained(prepare_smollm2())  # prepared once per cache (about 20 s), then reused
     cutoff = min(b.cutoff_len for name, b in BUDGETS.items() if name != "tiny")  # tiny is the random tiny model's

@@ -21,14 +21,17 @@ from adapters.rundir import RunDir
 from models import LoadedModel, tiny_llama
 from routing.cache import EmbeddingIndex
 from tests.devicecheck import PRETEND, ShadowDevice
-from training import local_train, micro_batches
 from training.algorithms import get_method
-from training.algorithms.pfedseq import PFedSeqConfig, PFedSeqStrategy
+from training.algorithms.pfedseq.method import PFedSeqConfig, PFedSeqStrategy
 from training.data import generate_suite
-from training.packing import packable
-from training.protocol import ClientContext, FitRes, StateDict
-from training.runtime import Runtime, preset
+from training.federation.rounds import RoundConfig
+from training.local import micro_batches
+from training.local import train as local_train
+from training.local.packing import packable
+from training.local.runtime import Runtime, preset
+from training.protocol import ClientContext, FitRes
 from training.simulation import SimConfig, run_federated
+from training.state import StateDict
 
 DATA = generate_suite(n_train=6, n_test=1, families=["sorting", "capitals", "arithmetic", "sentiment"])
 TRAIN = preset("tiny", max_steps=2)
@@ -39,8 +42,8 @@ CASES = {"fedit": ({}, 0), "fedprox": ({"mu": 0.5}, 0), "feddpa-t": ({}, 1), "fe
 
 @pytest.fixture(autouse=True, params=["packed", "grouped"])
 def _one_grouping_policy(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
-    """The CPU may split a step into more forwards than a GPU (``training.micro_batches.forward_cost``) or
-    pack it (``training.micro_batches.packs``), and LoRA dropout's masks follow the forwards: both runs
+    """The CPU may split a step into more forwards than a GPU (``training.local.micro_batches.forward_cost``) or
+    pack it (``training.local.micro_batches.packs``), and LoRA dropout's masks follow the forwards: both runs
     here take one policy, so they compare like with like: packed rows, or the GPU's length-grouped
     batches (the policies themselves are tested in test_micro_batches.py and test_packing.py)."""
     monkeypatch.setattr(micro_batches, "forward_cost", lambda device: None)
@@ -115,7 +118,7 @@ def test_every_client_step_trains_under_the_cpus_autocast_bf16_policy(method: st
 def _run(method: str, out: Path, shadow: ShadowDevice | None, options: dict | None = None) -> RunDir:
     loaded = _moved(shadow)
     data = generate_suite(n_train=4, n_test=1, families=["sorting", "capitals"])
-    run_federated(method, data, loaded, out, SimConfig(rounds=2), preset("tiny", max_steps=1), options,
+    run_federated(method, data, loaded, out, SimConfig(RoundConfig(rounds=2)), preset("tiny", max_steps=1), options,
                   data_spec="generated")
     return RunDir(out)
 

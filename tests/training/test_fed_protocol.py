@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.aggregate import aggregate_results, weighted_average
 from training.algorithms import ALGORITHMS, get_method
 from training.algorithms.fedit import FedAvgStrategy
-from training.cka import linear_cka
-from training.features import feature_distance, last_token, mean_pool
-from training.local_train import PRESETS, TrainConfig, preset
-from training.protocol import FitRes, state_bytes
+from training.algorithms.terms.cka import linear_cka
+from training.algorithms.terms.features import feature_distance, last_token, mean_pool
+from training.federation.aggregate import aggregate_results, weighted_average
+from training.local.train import PRESETS, TrainConfig, preset
+from training.protocol import FitRes
+from training.state import state_bytes
 
 
 def _state(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

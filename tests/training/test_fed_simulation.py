@@ -15,8 +15,8 @@ from adapters.rundir import RunDir
 from models import tiny_llama
 from routing.embedding import embed_prompts
 from training.data import PromptConfig, generate_suite, prompt_texts, split_tasks
-from training.rounds import select_clients
-from training.runtime import Runtime, preset
+from training.federation.rounds import RoundConfig, select_clients
+from training.local.runtime import Runtime, preset
 from training.simulation import SimConfig, run_federated
 
 FAMILIES = ["sorting", "capitals"]
@@ -25,7 +25,7 @@ TRAIN = preset("tiny")
 
 
 def _run(method: str, out: Path, rounds: int, resume: bool = False, **sim: object) -> RunDir:
-    run_federated(method, DATA, tiny_llama(), out, SimConfig(rounds=rounds, **sim), TRAIN, resume=resume,
+    run_federated(method, DATA, tiny_llama(), out, SimConfig(RoundConfig(rounds=rounds), **sim), TRAIN, resume=resume,
                   data_spec="generated", data_options={"n_train": 5, "n_test": 1, "families": FAMILIES})
     return RunDir(out)
 
@@ -110,15 +110,15 @@ def test_round_rows_carry_bytes_and_duration_and_only_the_global_travels(tmp_pat
 
 def test_client_sampling_is_deterministic_per_round() -> None:
     many = split_tasks(generate_suite(n_train=4, n_test=1, families=["sorting", "capitals", "date_format"]), 2)
-    sim = SimConfig(rounds=3, fraction=0.5, seed=7)
+    sim = RoundConfig(rounds=3, fraction=0.5, seed=7)
     rounds = [select_clients(many, sim, r) for r in range(3)]
     assert rounds == [select_clients(many, sim, r) for r in range(3)]
     assert all(len(r) == 3 for r in rounds) and len({tuple(r) for r in rounds}) > 1
-    per_task = SimConfig(rounds=1, sample_rate=0.5, seed=7)
+    per_task = RoundConfig(rounds=1, sample_rate=0.5, seed=7)
     chosen = select_clients(many, per_task, 0)
     assert sorted({many.client(c).task for c in chosen}) == sorted(["sorting", "capitals", "date_format"])
     with pytest.raises(ValueError, match="fraction"):
-        SimConfig(fraction=0.0)
+        RoundConfig(fraction=0.0)
 
 
 def test_saved_embeddings_are_the_global_adapters_last_token_states(tmp_path: Path) -> None:

@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
-from training.aggregate import Weighting
 from training.algorithms.fedit import FedAvgClient, FedAvgStrategy
-from training.protocol import FitRes, Method, StateDict
-from training.robust import RobustConfig
+from training.federation.aggregate import Weighting
+from training.federation.robust import RobustConfig
+from training.local.regime import FEDDPA_REGIME
+from training.protocol import FitRes, Method
+from training.state import StateDict
 
 
 class FedAvgMStrategy(FedAvgStrategy):
@@ -58,10 +60,9 @@ class FedAvgMStrategy(FedAvgStrategy):
 
 
 def _strategy(o: Mapping[str, Any]) -> FedAvgMStrategy:
-    return FedAvgMStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
-                           momentum=float(o.get("momentum", 0.9)), server_lr=float(o.get("server_lr", 1.0)),
-                           robust=RobustConfig.from_options(o))
+    return FedAvgMStrategy.from_options(o, momentum=float(o.get("momentum", 0.9)),
+                                        server_lr=float(o.get("server_lr", 1.0)))
 
 
-FEDAVGM = Method(name="fedavgm", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
+FEDAVGM = Method(name="fedavgm", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0), regime=FEDDPA_REGIME,
                  defaults={"weighting": "equal", "momentum": 0.9, "server_lr": 1.0})

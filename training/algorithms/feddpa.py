@@ -1,6 +1,6 @@
 """FedDPA-F and FedDPA-T: a shared global adapter plus a private local adapter (paper 000, section 4).
 
-FedDPA-T as implemented here (paper Algorithm 2, METHODS.md 2.2): in every round, round 0 included,
+FedDPA-T as implemented here (paper Algorithm 2, docs/methods.md 2.2): in every round, round 0 included,
 each selected client first trains its local adapter beside the frozen received global with the forward
 ``W0 x + (1 - alpha) dW_global x (detached) + alpha dW_local x``; the local adapter starts fresh (B = 0)
 at the client's first round and is its private state afterwards. The client then trains the global
@@ -14,18 +14,15 @@ at inference lambda = alpha.
 FedProx global): the global step adds ``mu/2 ||theta - theta_g||^2`` toward the received global.
 
 FedDPA-F (section 4.2): FedIT, then the local adapter is a copy of the final global fine-tuned on the
-client's data (the author's recipe, METHODS.md 2.7); inference lambda = 1.
+client's data (the author's recipe, docs/methods.md 2.7); inference lambda = 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from training.algorithms.fedit import FedAvgClient, FedAvgStrategy, train_global
 from training.algorithms.local import FineTuneClient, fresh_local, train_local
-from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy
-from training.robust import RobustConfig
+from training.local.regime import FEDDPA_REGIME
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method
 
 
 class FedDPATClient(ClientAlgorithm):
@@ -49,13 +46,8 @@ class FedDPATClient(ClientAlgorithm):
         return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
 
 
-def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
-                          robust=RobustConfig.from_options(o))
-
-
 FEDDPA_T = Method(
-    name="feddpa-t", strategy=_strategy,
+    name="feddpa-t", strategy=FedAvgStrategy.from_options, regime=FEDDPA_REGIME,
     client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5)), mu=float(o.get("mu", 0.0)),
                                    local_from=int(o.get("local_from", 0))),
     has_local=True, instance_weighting=True,
@@ -63,7 +55,7 @@ FEDDPA_T = Method(
     inference_option="alpha", data_defaults={"feddpa2": {"alpha": 0.3}},
 )
 FEDDPA_F = Method(
-    name="feddpa-f", strategy=_strategy, client=lambda o: FineTuneClient(mu=float(o.get("mu", 0.0))), has_local=True,
-    instance_weighting=True, inference_weight=1.0, defaults={"lambda": 1.0, "weighting": "equal", "mu": 0.0},
-    inference_option="lambda",
+    name="feddpa-f", strategy=FedAvgStrategy.from_options, regime=FEDDPA_REGIME,
+    client=lambda o: FineTuneClient(mu=float(o.get("mu", 0.0))), has_local=True, instance_weighting=True,
+    inference_weight=1.0, defaults={"lambda": 1.0, "weighting": "equal", "mu": 0.0}, inference_option="lambda",
 )

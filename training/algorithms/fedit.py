@@ -2,25 +2,27 @@
 
 Each selected client starts from the received global adapter, trains it alone on its data, and
 uploads it; the server averages, with equal client weights by default (the FedDPA papers aggregate
-"based on client number", METHODS.md 2.2) or by ``num_examples``; the options ``clip_norm``,
-``aggregator`` and ``trim`` turn on robust aggregation (:mod:`training.robust`) for every method built
-on this strategy (FedIT, FedProx, FedDPA, FedOA, FedMCP, FedAvgM). FedProx adds ``mu/2 ||theta -
+"based on client number", docs/methods.md 2.2) or by ``num_examples``; the options ``clip_norm``,
+``aggregator`` and ``trim`` turn on robust aggregation (:mod:`training.federation.robust`) for every method
+built on this strategy (FedIT, FedProx, FedLoRA, FedDPA, FedOA, FedMCP, FedAvgM; each builds it with
+:meth:`FedAvgStrategy.from_options`). FedProx adds ``mu/2 ||theta -
 theta_g||^2`` to the client loss; ``mu = 0`` is FedIT exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self, cast
 
 import torch
 
-from training.aggregate import Weighting, aggregate_results
-from training.local_train import LossFn, length_grouped, lm_loss, train_adapters
-from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
-from training.regime import BASELINE_REGIME
-from training.robust import RobustConfig, robust_aggregate
-from training.runtime import Runtime
+from training.federation.aggregate import Weighting, aggregate_results
+from training.federation.robust import RobustConfig, robust_aggregate
+from training.local.regime import BASELINE_REGIME, FEDDPA_REGIME
+from training.local.runtime import Runtime
+from training.local.train import LossFn, length_grouped, lm_loss, train_adapters
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy
+from training.state import StateDict, derive_seed
 
 
 class FedAvgStrategy(Strategy):
@@ -33,8 +35,20 @@ class FedAvgStrategy(Strategy):
         self.weighting = weighting
         self.robust = robust or RobustConfig()
 
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], **fixed: Any) -> Self:
+        """The strategy under a method's options: ``seed``, ``weighting`` (default ``equal``) and robust
+        aggregation (``clip_norm``, ``aggregator``, ``trim``; :meth:`RobustConfig.from_options`).
+
+        Args:
+            options: the method's options.
+            **fixed: a subclass's own arguments, or a setting the method does not leave to the options.
+        """
+        return cls(**{"seed": int(options.get("seed", 0)), "weighting": options.get("weighting", "equal"),
+                      "robust": RobustConfig.from_options(options), **fixed})
+
     def average(self, results: list[FitRes], state: StateDict) -> StateDict | None:
-        """The uploads combined: the plain weighted average, or :mod:`training.robust`'s when it is on."""
+        """The uploads combined: the plain weighted average, or :mod:`training.federation.robust`'s when it is on."""
         if not self.robust.active:
             return aggregate_results(results, self.weighting)
         weights = [1.0 if self.weighting == "equal" else float(r.num_examples) for r in results]
@@ -82,8 +96,9 @@ class FedAvgClient(ClientAlgorithm):
             params = rt.params("global")
             if not on_device:
                 on_device.update({k: received[k].to(device=params[k].device, dtype=params[k].dtype) for k in params})
-            term = sum(((params[k] - on_device[k]) ** 2).sum() for k in params)
-            return loss + 0.5 * self.mu * term, {**extra, "prox": float(term.detach())}  # type: ignore[union-attr]
+            # a tensor: the global adapter has parameters, so sum never returns its start 0
+            term = cast(torch.Tensor, sum(((params[k] - on_device[k]) ** 2).sum() for k in params))
+            return loss + 0.5 * self.mu * term, {**extra, "prox": float(term.detach())}
 
         return prox
 
@@ -92,14 +107,10 @@ class FedAvgClient(ClientAlgorithm):
         return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
 
 
-def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
-                          robust=RobustConfig.from_options(o))
-
-
-FEDIT = Method(name="fedit", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
-               defaults={"weighting": "equal"})
-FEDPROX = Method(name="fedprox", strategy=_strategy, client=lambda o: FedAvgClient(mu=float(o.get("mu", 0.01))),
+FEDIT = Method(name="fedit", strategy=FedAvgStrategy.from_options, client=lambda o: FedAvgClient(mu=0.0),
+               regime=FEDDPA_REGIME, defaults={"weighting": "equal"})
+FEDPROX = Method(name="fedprox", strategy=FedAvgStrategy.from_options,
+                 client=lambda o: FedAvgClient(mu=float(o.get("mu", 0.01))), regime=FEDDPA_REGIME,
                  defaults={"weighting": "equal", "mu": 0.01})
-CENTRALIZED = Method(name="centralized", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0),
+CENTRALIZED = Method(name="centralized", strategy=FedAvgStrategy.from_options, client=lambda o: FedAvgClient(mu=0.0),
                      centralized=True, regime=BASELINE_REGIME)

@@ -1,41 +1,40 @@
 """FedMCP (paper 004): global + private adapters with averaged outputs and a CKA contrast term.
 
-Per batch (paper 004 section 3; METHODS.md 5, LoRA adapters and the LM head instead of bottleneck
+Per batch (paper 004 section 3; docs/methods.md 5, LoRA adapters and the LM head instead of bottleneck
 adapters and classifiers, our decision):
     L_a: LM loss of the full model, both adapters at weight 1/2
     L_b: LM loss with the client's global adapter alone (X = its mean-pooled final states)
-    L_c: CKA(X, Y) - CKA(X, Z), Y = states with the private adapter alone (Eq. 5, s IV-D; DESIGN.md's
+    L_c: CKA(X, Y) - CKA(X, Z), Y = states with the private adapter alone (Eq. 5, s IV-D; docs/design.md's
          CKA(g, p)), Z = states with the received averaged global (frozen)
     L = (1 - gamma) L_a + gamma L_b + mu L_c,   gamma 0.5, mu 0.05
 Both adapters train; only the global is uploaded and averaged uniformly; the private one stays local.
-``contrast_y=full`` is the cheaper reading of METHODS.md 5 (Y = the full two-adapter model's states, no
+``contrast_y=full`` is the cheaper reading of docs/methods.md 5 (Y = the full two-adapter model's states, no
 extra forward). L_c is computed over the optimizer step's whole batch (64 in the paper), whatever
 ``--micro-batch-size`` is: CKA does not decompose over micro-batches (:class:`FedMCPLoss`). CKA is the
-debiased estimator by default (``cka=unbiased``, :func:`training.cka.unbiased_linear_cka`): the plain one
-scores about 0.99 for two unrelated batches of 8 rows of SmolLM2 width, so its value would change with
+debiased estimator by default (``cka=unbiased``, :func:`training.algorithms.terms.cka.unbiased_linear_cka`):
+the plain one scores about 0.99 for two unrelated batches of 8 rows of SmolLM2 width, so its value would change with
 the batch a preset imposes; ``cka=biased`` is the paper's formula. ``similarity=cosine`` is the paper's
 ablation (section 4.4: cosine similarity instead of CKA, -1.45 %): mean row-wise cosine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from training.algorithms.fedit import FedAvgStrategy
 from training.algorithms.local import fresh_local
-from training.batch_terms import SplitTerm, eval_mode, micro_share, split_term
-from training.cka import linear_cka, unbiased_linear_cka
-from training.features import mean_pool
-from training.lm_forward import lm_forward
-from training.local_train import train_adapters
-from training.packing import padded_states
-from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
-from training.regime import Regime
-from training.robust import RobustConfig
-from training.runtime import Runtime
+from training.algorithms.terms.batch_terms import SplitTerm, eval_mode, micro_share, split_term
+from training.algorithms.terms.cka import linear_cka, unbiased_linear_cka
+from training.algorithms.terms.features import mean_pool
+from training.local.lm_forward import lm_forward
+from training.local.packing import padded_states
+from training.local.regime import Regime
+from training.local.runtime import Runtime
+from training.local.train import train_adapters
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method
+from training.state import derive_seed
 
 # Paper 004 section 4.1: Adam, lr 5e-4, batch 64, one local epoch per round, 25 rounds (no schedule named).
 REGIME = Regime(optimizer="adam", lr=5e-4, schedule="constant", batch_size=64, local_epochs=1, rounds=25,
@@ -63,10 +62,11 @@ def _pooled(rt: Runtime, batch: dict[str, torch.Tensor], adapter: str | None, la
 
 
 class FedMCPLoss:
-    """FedMCP's objective, its contrast term over the whole logical batch (:mod:`training.batch_terms`).
+    """FedMCP's objective, its contrast term over the whole logical batch
+    (:mod:`training.algorithms.terms.batch_terms`).
 
     Linear CKA does not decompose over micro-batches, so the term is the optimizer step's whatever
-    ``--micro-batch-size`` is. A :class:`training.local_train.BatchLoss`; the caller's context has
+    ``--micro-batch-size`` is. A :class:`training.local.train.BatchLoss`; the caller's context has
     (global, local) on at (1/2, 1/2), both trainable. ``private_y``: Y is the private adapter alone (the
     paper); False: the full model's states. ``unbiased``: the debiased CKA.
     """
@@ -155,12 +155,8 @@ class FedMCPClient(ClientAlgorithm):
         return FitRes(ctx.client_id, rt.get("global"), len(ctx.data.train), res.metrics())
 
 
-def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting="equal", robust=RobustConfig.from_options(o))
-
-
 FEDMCP = Method(
-    name="fedmcp", strategy=_strategy,
+    name="fedmcp", strategy=lambda o: FedAvgStrategy.from_options(o, weighting="equal"),  # the paper: uniformly
     client=lambda o: FedMCPClient(gamma=float(o.get("gamma", 0.5)), mu=float(o.get("mu", 0.05)),
                                   similarity=str(o.get("similarity", "cka")),
                                   contrast_y=str(o.get("contrast_y", "private")), cka=str(o.get("cka", "unbiased"))),

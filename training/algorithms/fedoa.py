@@ -3,7 +3,7 @@
 Like FedDPA-T (every round, round 0 included, as Algorithm 1: local step, then global step; only the
 global uploaded; ``local_from=1`` is the reference code's reading, the local adapter from round 1),
 but the local adapter runs alone, with ``loss = CE_local + lambda * D(E_local, E_global)`` where E is
-the final-layer state of the last token (global features detached, METHODS.md 3.1); D is the
+the final-layer state of the last token (global features detached, docs/methods.md 3.1); D is the
 reference's Frobenius norm over the batch (``l2``, the paper) or ``cosine`` / ``pearson``; lambda 0.5.
 The batch is the optimizer step's whole logical batch (:class:`FedOALoss`), so D's strength does not
 change with ``--micro-batch-size``. The unsquared norm grows with the square root of the rows it covers,
@@ -16,25 +16,24 @@ At inference the client uses its local adapter (intra-client), so the mixture we
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from training.algorithms.fedit import FedAvgStrategy, train_global
 from training.algorithms.local import fresh_local
-from training.batch_terms import SplitTerm, eval_mode, micro_share, split_term
-from training.features import feature_distance, last_token
-from training.lm_forward import lm_forward
-from training.local_train import train_adapters
-from training.packing import padded_states
-from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, derive_seed
-from training.regime import Regime
-from training.robust import RobustConfig
-from training.runtime import Runtime
+from training.algorithms.terms.batch_terms import SplitTerm, eval_mode, micro_share, split_term
+from training.algorithms.terms.features import feature_distance, last_token
+from training.local.lm_forward import lm_forward
+from training.local.packing import padded_states
+from training.local.regime import Regime
+from training.local.runtime import Runtime
+from training.local.train import train_adapters
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method
+from training.state import derive_seed
 
 # Paper 001 section 5 and App. C: K = 2 local epochs, batch 32, T = 20; lr, AdamW and the linear decay are the
-# reference code's (same FedDPA skeleton, METHODS.md 3).
+# reference code's (same FedDPA skeleton, docs/methods.md 3).
 REGIME = Regime(local_epochs=2, source="paper 001 s5.1 + App. C (K=2 epochs, batch 32, T=20); lr/AdamW: reference code")
 
 
@@ -53,8 +52,8 @@ class FedOALoss:
     """The FedOA objective ``CE + lambda * D(E_local, E_global)`` with D over the whole logical batch.
 
     The reference computes D (an unsquared Frobenius norm for ``l2``) on each forward's batch; here the
-    batch is the optimizer step's, whatever ``--micro-batch-size`` is (:mod:`training.batch_terms`).
-    A :class:`training.local_train.BatchLoss`; the local adapter is on in the caller's context.
+    batch is the optimizer step's, whatever ``--micro-batch-size`` is (:mod:`training.algorithms.terms.batch_terms`).
+    A :class:`training.local.train.BatchLoss`; the local adapter is on in the caller's context.
     """
 
     length_grouped = True  # its LM loss reads the rows' weights; D is the whole step's
@@ -98,7 +97,7 @@ class FedOALoss:
 
 
 def fedoa_loss(lam: float, distance: str, norm_batch: int = 0) -> FedOALoss:
-    """The FedOA objective as a :data:`training.local_train.LossFn` (local adapter on in the context)."""
+    """The FedOA objective as a :data:`training.local.train.LossFn` (local adapter on in the context)."""
     return FedOALoss(lam, distance, norm_batch)
 
 
@@ -128,13 +127,8 @@ class FedOAClient(ClientAlgorithm):
         return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
 
 
-def _strategy(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"),
-                          robust=RobustConfig.from_options(o))
-
-
 FEDOA = Method(
-    name="fedoa", strategy=_strategy,
+    name="fedoa", strategy=FedAvgStrategy.from_options,
     client=lambda o: FedOAClient(lam=float(o.get("lambda", 0.5)), distance=str(o.get("distance", "l2")),
                                  local_from=int(o.get("local_from", 0)), norm_batch=int(o.get("norm_batch", 32))),
     has_local=True, inference_weight=1.0,

@@ -8,14 +8,12 @@ model. FedDPA-F (paper 000, section 4.2) trains exactly like FedLoRA and differs
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from training.algorithms.fedit import FedAvgClient, FedAvgStrategy
-from training.local_train import train_adapters
-from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, StateDict, Strategy, derive_seed
-from training.regime import BASELINE_REGIME
-from training.runtime import Runtime
+from training.local.regime import BASELINE_REGIME, FEDDPA_REGIME
+from training.local.runtime import Runtime
+from training.local.train import train_adapters
+from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy
+from training.state import StateDict, derive_seed
 
 
 class NoServer(Strategy):
@@ -62,11 +60,7 @@ class FineTuneClient(FedAvgClient):
         return train_local(ctx, round_idx=-1, start=state, phase="finetune")
 
 
-def _fedavg(o: Mapping[str, Any]) -> Strategy:
-    return FedAvgStrategy(seed=int(o.get("seed", 0)), weighting=o.get("weighting", "equal"))
-
-
 LOCAL = Method(name="local", strategy=lambda o: NoServer(), client=lambda o: LocalClient(),
                has_local=True, inference_weight=1.0, regime=BASELINE_REGIME)
-FEDLORA = Method(name="fedlora", strategy=_fedavg, client=lambda o: FineTuneClient(), has_local=True,
-                 inference_weight=1.0, defaults={"weighting": "equal"})
+FEDLORA = Method(name="fedlora", strategy=FedAvgStrategy.from_options, client=lambda o: FineTuneClient(),
+                 regime=FEDDPA_REGIME, has_local=True, inference_weight=1.0, defaults={"weighting": "equal"})

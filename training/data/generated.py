@@ -11,6 +11,7 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from training.data.families import FAMILIES
 from training.data.records import ClientData, DataError, FederatedDataset, Record
@@ -37,6 +38,15 @@ def generate_family(family: str, n_train: int, n_test: int, seed: int = 0) -> tu
     return records[:n_train], records[n_train:]
 
 
+class SuiteOptions(TypedDict, total=False):
+    """:func:`generate_suite`'s options, as :func:`write_suite` passes them on."""
+
+    seed: int
+    n_train: int
+    n_test: int
+    families: Sequence[str] | None
+
+
 def generate_suite(
     seed: int = 0, n_train: int = 300, n_test: int = 50, families: Sequence[str] | None = None
 ) -> FederatedDataset:
@@ -52,9 +62,9 @@ def generate_suite(
     return FederatedDataset(name=f"generated-s{seed}", clients=tuple(clients), tests=tests)
 
 
-def write_suite(folder: str | Path, **options: object) -> Path:
+def write_suite(folder: str | Path, **options: Unpack[SuiteOptions]) -> Path:
     """Write the suite in the generic folder layout (``train/<client>.jsonl``, ``test/<task>.jsonl``)."""
-    dataset = generate_suite(**options)  # type: ignore[arg-type]
+    dataset = generate_suite(**options)
     root = Path(folder)
     for sub, groups in (("train", {c.client_id: c.train for c in dataset.clients}), ("test", dataset.tests)):
         (root / sub).mkdir(parents=True, exist_ok=True)

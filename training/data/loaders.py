@@ -17,6 +17,7 @@ counted (Dolly has near-duplicates).
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from collections import Counter
@@ -24,10 +25,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from models import settings
 from training.data.records import ClientData, DataError, FederatedDataset, Record, count_duplicates
 
 BENCHMARKS = {"feddpa1": ("feddpa", "dataset1"), "feddpa2": ("feddpa", "dataset2"), "dolly": ("dolly_fed8", "dataset1")}
+# How a user points the loaders at the benchmark data (``make`` sets it when the data sits beside the checkout).
+DATA_DIR_HELP = "set FEDMOSAIC_DATA_DIR to the folder holding feddpa/ and dolly_fed8/ (export FEDMOSAIC_DATA_DIR=DIR)"
+
+
+def data_dir() -> Path | None:
+    """The benchmark data folder: ``FEDMOSAIC_DATA_DIR``, or None when it is not set.
+
+    Read when asked (not at import), so a test can set the variable and see it.
+    """
+    env = os.environ.get("FEDMOSAIC_DATA_DIR")
+    return Path(env).expanduser() if env else None
 
 
 def _record(raw: Any, where: str, default_task: str = "", require_output: bool = True) -> Record:
@@ -147,14 +158,14 @@ def load_folder(root: Path, name: str | None = None) -> FederatedDataset:
     return _finish(name or root.name, clients, tests)
 
 
-def load_dataset(spec: str, data_dir: Path | None = None, **options: Any) -> FederatedDataset:
+def load_dataset(spec: str, folder: Path | None = None, **options: Any) -> FederatedDataset:
     """Load a data set by name or path.
 
     Args:
         spec: ``feddpa1``, ``feddpa2``, ``dolly`` (benchmark data under ``FEDMOSAIC_DATA_DIR``),
             ``generated`` (the project's own task suite; ``options`` go to ``generate_suite``), or
             a folder in the FedDPA or the generic layout.
-        data_dir: overrides the benchmark data folder.
+        folder: the benchmark data folder (default: :func:`data_dir`, ``FEDMOSAIC_DATA_DIR``).
         **options: the loader's options; ``leave_out`` (a task, a comma-separated list or a list) drops the
             clients of those tasks and keeps their test sets: FedOA's leave-one-task-out (paper 001 s5.1);
             ``hold_out`` (a share in (0, 0.5]) moves that share of each client's examples to its validation
@@ -165,23 +176,21 @@ def load_dataset(spec: str, data_dir: Path | None = None, **options: Any) -> Fed
     if share is not None:
         from training.data.partition import hold_out
 
-        return hold_out(load_dataset(spec, data_dir, **options), share, seed=int(split_seed))
+        return hold_out(load_dataset(spec, folder, **options), share, seed=int(split_seed))
     held = options.pop("leave_out", None)
     if held:
         from training.data.partition import leave_out
 
         tasks = held.split(",") if isinstance(held, str) else list(held)
-        return leave_out(load_dataset(spec, data_dir, **options), [t for t in tasks if t])
+        return leave_out(load_dataset(spec, folder, **options), [t for t in tasks if t])
     if spec in BENCHMARKS:
-        base = data_dir or settings.data_dir()
+        base = folder or data_dir()
         if base is None:
-            raise DataError(
-                f"benchmark data {spec!r} needs FEDMOSAIC_DATA_DIR (no ../shared/data beside the repository)"
-            )
+            raise DataError(f"benchmark data {spec!r} needs FEDMOSAIC_DATA_DIR, which is not set: {DATA_DIR_HELP}")
         group, dataset = BENCHMARKS[spec]
         root = Path(base) / group / dataset
         if not root.is_dir():
-            raise DataError(f"{root} does not exist; set FEDMOSAIC_DATA_DIR to the folder holding {group}/")
+            raise DataError(f"{root} does not exist; {DATA_DIR_HELP}")
         return load_feddpa_format(root, name=spec)
     if spec == "generated":
         from training.data.generated import generate_suite

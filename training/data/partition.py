@@ -3,10 +3,10 @@
 * one task per client: FedDPA (paper 000, section 5.1) — the loaders' default;
 * a task split into k equal clients with a per-round sample rate: paper 000 appendix A.1 (40 clients
   = 8 tasks x 5, sample rate 0.2-1 per task per round);
-* Dirichlet label skew over a category field: FedAMoLE (paper 002, section 5.1; METHODS.md 1.9);
+* Dirichlet label skew over a category field: FedAMoLE (paper 002, section 5.1; docs/methods.md 1.9);
 * leave-one-task-out: FedOA (paper 001, section 5.1), the held-out tasks only tested;
 * a held-out share of each client's examples, its validation set (our addition: the check of a client's
-  local adapter at the end of training, ``training.local_gate``).
+  local adapter at the end of training, ``training.federation.local_gate``).
 
 Every function keeps each training example exactly once (tested).
 """
@@ -62,7 +62,7 @@ def dirichlet(
     label: str = "category", tests: dict[str, tuple[Record, ...]] | None = None, name: str = "dirichlet",
     max_tries: int = 1000,
 ) -> FederatedDataset:
-    """Dirichlet label skew: per class, Dir(alpha) proportions over clients (METHODS.md 1.9).
+    """Dirichlet label skew: per class, Dir(alpha) proportions over clients (docs/methods.md 1.9).
 
     Clients already holding ``len(records) / n_clients`` examples get no more of the next class, and
     the draw is repeated until every client has at least ``min_size`` examples.

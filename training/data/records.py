@@ -46,7 +46,7 @@ class ClientData:
         task: the client's own task (its personalization test set).
         train: local training examples.
         validation: the client's held-out examples (``hold_out`` data option): never trained on, read
-            once at the end of training to check whether its local adapter helps (``training.local_gate``).
+            once at the end of training to check whether its local adapter helps (``training.federation.local_gate``).
     """
 
     client_id: str

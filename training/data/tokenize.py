@@ -1,6 +1,6 @@
 """Tokenization for causal-LM fine-tuning: prompt masked out of the loss, EOS appended, cutoff.
 
-As the FedDPA reference (alpaca-lora, METHODS.md 2.3: ``train_on_inputs=False``, ``cutoff_len`` 512):
+As the FedDPA reference (alpaca-lora, docs/methods.md 2.3: ``train_on_inputs=False``, ``cutoff_len`` 512):
 ``input_ids = prompt + response + EOS`` with labels ``-100`` over the prompt, truncated to the cutoff,
 the EOS kept only when it fits. Batches are padded with the tokenizer's pad id and label ``-100``.
 """
@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from training.data.prompts import PromptConfig, format_prompt
 from training.data.records import DataError, Record
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE = -100
 
@@ -27,15 +31,15 @@ class Example:
 
 
 def tokenize_record(
-    record: Record, tokenizer: object, cutoff_len: int = 512, prompt: PromptConfig = PromptConfig()
+    record: Record, tokenizer: PreTrainedTokenizerBase, cutoff_len: int = 512, prompt: PromptConfig = PromptConfig()
 ) -> Example:
     """Tokenize one record with the prompt masked (-100), EOS appended, truncated to ``cutoff_len``."""
     if cutoff_len < 2:
         raise DataError(f"cutoff_len must be >= 2, got {cutoff_len}")
     text = format_prompt(record, tokenizer, prompt)
-    p_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-    r_ids = tokenizer(record.output, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-    eos = tokenizer.eos_token_id  # type: ignore[attr-defined]
+    p_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    r_ids = tokenizer(record.output, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
     ids = list(p_ids) + list(r_ids)
     if len(ids) < cutoff_len:
         ids.append(eos)
@@ -45,7 +49,7 @@ def tokenize_record(
     return Example(tuple(ids), tuple(labels))
 
 
-def prompt_texts(records: Sequence[Record], tokenizer: object | None = None,
+def prompt_texts(records: Sequence[Record], tokenizer: PreTrainedTokenizerBase | None = None,
                  prompt: PromptConfig = PromptConfig()) -> list[str]:
     """Prompts only, for generation and for embeddings."""
     return [format_prompt(r, tokenizer, prompt) for r in records]

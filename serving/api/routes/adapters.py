@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from serving import adapter_admin
 from serving.api.dependencies import Admin, ServerState, State
 from serving.api.openapi import errors, text
-from serving.openai.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from serving.openai.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from serving.stack import ServingStack
 
 router = APIRouter()

@@ -10,8 +10,8 @@ from serving.api import service
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors, json_or_sse
 from serving.openai import builders
-from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.responses import ChatShape
+from serving.openai.schemas import ChatCompletionRequest
 
 router = APIRouter()
 

@@ -10,8 +10,8 @@ from serving.api import service
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors, json_or_sse
 from serving.openai import builders
-from serving.openai.protocol import CompletionRequest
 from serving.openai.responses import CompletionShape
+from serving.openai.schemas import CompletionRequest
 
 router = APIRouter()
 

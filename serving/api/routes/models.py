@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors
-from serving.openai.protocol import ModelCard, ModelList
+from serving.openai.schemas import ModelCard, ModelList
 from serving.pool import AdapterInfo
 
 router = APIRouter()

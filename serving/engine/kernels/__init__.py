@@ -54,6 +54,13 @@ def _triton_modules(cpu: bool) -> dict[str, ModuleType | None]:
     return _TRITON
 
 
+def _triton(name: str) -> ModuleType:
+    """The Triton module ``name`` ("ops" or "attention") for a call :func:`uses_triton` sent to Triton."""
+    module = _TRITON[name]
+    assert module is not None  # uses_triton is True only when the import succeeded
+    return module
+
+
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether the functions here run Triton kernels for tensors on t's device.
 
@@ -88,7 +95,7 @@ def rms_norm(
         (out, residual_out): out (N, H); residual_out (N, H) = x + residual (x itself without residual).
     """
     if uses_triton(x):
-        return _TRITON["ops"].rms_norm(x, weight, eps, residual)
+        return _triton("ops").rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
 
@@ -120,7 +127,7 @@ def rotary_kv_write(
         (N, Hq, D) rotated queries.
     """
     if uses_triton(q):
-        return _TRITON["ops"].rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
+        return _triton("ops").rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
     return reference.rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
 
 
@@ -134,7 +141,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         (N, I).
     """
     if uses_triton(gate_up):
-        return _TRITON["ops"].silu_mul(gate_up)
+        return _triton("ops").silu_mul(gate_up)
     return reference.silu_mul(gate_up)
 
 
@@ -160,7 +167,7 @@ def decode_attention(
         (B, Hq, D) in q.dtype.
     """
     if uses_triton(q):
-        return _TRITON["attention"].decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+        return _triton("attention").decode_attention(q, k_cache, v_cache, slots, lengths, scale)
     return reference.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
 
 

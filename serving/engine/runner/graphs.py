@@ -1,4 +1,4 @@
-"""CUDA graphs of the fused decode step, one per (batch bucket, adapter-slot bucket) (issue 22).
+"""CUDA graphs of the fused decode step, one per (batch bucket, adapter-slot bucket).
 
 A decode step launches a few hundred small kernels; replaying them as one captured CUDA graph
 removes the launch cost that otherwise dominates small batches (vLLM and gpt-fast do the same).
@@ -120,9 +120,10 @@ class DecodeGraphs:
         self.ints[:, :batch].copy_(host, non_blocking=True)
         _, _, _, lora = self._inputs(batch, active)
         if w is not None:
+            assert runner.slots is not None  # slot_weights gives weights only with adapter slots
             padded = torch.zeros(batch, active)
             padded[:n] = w
             for group, tensor in lora.items():
-                tensor.copy_(runner.slots.expand(padded, group).to(tensor.dtype), non_blocking=True)  # type: ignore[union-attr]
+                tensor.copy_(runner.slots.expand(padded, group).to(tensor.dtype), non_blocking=True)
         graph.replay()
         return StepOutput(logits=logits[:n])

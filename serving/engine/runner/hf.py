@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from adapters import AdaptedModel
-from adapters.amole_routing import ExpertRecorder
+from adapters.amole_union import ExpertRecorder
 from adapters.context import weight_matrix
 from serving.engine.amole import batch_routing
 from serving.engine.kv import SlotKV
@@ -70,7 +70,6 @@ class HFRunner:
         adapted: its adapter handle (None: base model only).
         kv: the engine's slots.
         autocast: factory of the compute context (``LoadedModel.autocast``).
-        amole_paths: adapted layer paths, in model order (the AMoLE recorder's layer axis).
     """
 
     name = "hf"
@@ -79,7 +78,7 @@ class HFRunner:
                  autocast: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         self.model, self.adapted, self.kv, self.autocast = model, adapted, kv, autocast
         self.device = kv.device
-        self.sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"  # type: ignore[union-attr]
+        self.sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
 
     def supports(self, rows: Sequence[RowAdapters]) -> bool:
         """Every row kind runs here."""

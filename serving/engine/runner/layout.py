@@ -3,9 +3,9 @@
 The runner never keeps a second full copy of the model. q/k/v (and gate/up) become views of one
 fused matrix each, shared with the HF modules, so both forwards read the same memory.
 
-Storage order (issue 14). ``F.linear(x, W)`` with ``W`` stored row-major ``(out, in)`` asks BLAS
+Storage order. ``F.linear(x, W)`` with ``W`` stored row-major ``(out, in)`` asks BLAS
 for ``x @ W^T``. On CPU, oneMKL's fp32 GEMM for the few rows of a decode step is far slower in that
-transposed form than in the plain one: ``bench/gemm_layout.py`` on a 2-core Ice Lake Xeon timed one
+transposed form than in the plain one: ``bench/serving/gemm_layout.py`` on a 2-core Ice Lake Xeon timed one
 pass over SmolLM2's matrices (30 layers and the head) at 100 ms for 8 rows stored row-major against 56
 ms stored in-feature-major, ``(in, out)`` contiguous (1.8x; 16 rows 1.8x, 1 row 1.1x; 64 rows and a
 392-token prefill within noise, 0.96-0.99). The adapter slots' ``A`` stacks follow the same order
@@ -22,7 +22,7 @@ Packed bf16 on CPU. Under ``autocast-bf16`` the runner computes from bf16 copies
 nobody else reads, so their form is free to choose: oneDNN's blocked ("packed") form, which its GEMM
 reads as it is, where a plain ``(out, in)`` bf16 matrix is re-blocked inside every ``F.linear`` call.
 On the 2-vCPU AMX Xeon one pass over SmolLM2's matrices took 15.4 ms packed against 23.4 ms plain for 8
-rows (1.5x; 1 to 64 rows 1.48-1.52x, a 392-token prefill 1.00x; ``bench/gemm_layout.py --dtype bfloat16``),
+rows (1.5x; 1 to 64 rows 1.48-1.52x, a 392-token prefill 1.00x; ``bench/serving/gemm_layout.py --dtype bfloat16``),
 with the same products bit for bit at those sizes; a decode step of 8 rows went from 40.8 to 30.5 ms.
 :func:`packs` says where the form is available (checked once, falling back to plain copies where the
 oneDNN operator is missing or disagrees with ``F.linear``), :func:`packed_copy` makes one, and
@@ -63,7 +63,7 @@ def fuse(linears: Sequence[nn.Linear], attr: str, in_major: bool = False) -> tor
     in_major = in_major and tensors[0].dim() == 2
     fused = getattr(linears[0], f"_fedmosaic_fused_{attr}", None)
     if fused is not None and _views_of(fused, tensors, in_major):
-        return fused  # type: ignore[no-any-return]
+        return fused
     with torch.inference_mode(False), torch.no_grad():
         if in_major:  # (in, sum outs) contiguous; each Linear's weight is a column block, transposed
             storage = torch.cat([t.detach().t() for t in tensors], dim=1)
@@ -127,7 +127,7 @@ def _cached_copy(weight: torch.Tensor, dtype: torch.dtype, attr: str,
     versioned = not weight.is_inference()
     cached = getattr(weight, attr, None) if versioned else None
     if cached is not None and cached[0] == dtype and cached[1] == weight._version:
-        return cached[2]  # type: ignore[no-any-return]
+        return cached[2]
     with torch.inference_mode(False), torch.no_grad():  # one plain copy at a time: the transient memory
         copy = make(weight.detach())
     if versioned:
@@ -140,7 +140,7 @@ def forget_compute_copy(weight: torch.Tensor, copy: torch.Tensor) -> None:
     the adapter slots' ``[W; A]``), so the memory is freed; a later :func:`compute_copy` makes a new one."""
     cached = getattr(weight, "_fedmosaic_compute_copy", None)
     if cached is not None and cached[2] is copy:
-        del weight._fedmosaic_compute_copy  # type: ignore[attr-defined]
+        del weight._fedmosaic_compute_copy  # type: ignore[attr-defined]  # set by _cached_copy, not a Tensor member
 
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -178,7 +178,7 @@ def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new copy of the ``(out, in)`` matrix ``weight`` in ``dtype`` and oneDNN's packed form (uncached)."""
     with torch.inference_mode(False), torch.no_grad():
         # 8: the row count oneDNN blocks for (a decode step); a step of any row count can use the copy
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 8)  # type: ignore[no-any-return]
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 8)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -189,4 +189,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     b = None if bias is None else bias.to(weight.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, b, "none", [], "")  # type: ignore[no-any-return]
+    return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, b, "none", [], "")

@@ -1,4 +1,4 @@
-"""The fast runner: a fused forward for Llama-family models over the engine's slots (issue 22).
+"""The fast runner: a fused forward for Llama-family models over the engine's slots.
 
 The HF forward costs a few dozen small kernels and Python calls per layer; decoding is bound by
 reading the weights once per step, so those small costs dominate small batches (gpt-fast's lesson).
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -46,7 +46,10 @@ from serving.engine.runner.layout import (
     packs,
     reorder,
 )
-from serving.engine.runner.lora_slots import GROUPS, LoraSlots
+from serving.engine.runner.lora_slots import GROUPS, LoraSlots, Projection
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
@@ -62,7 +65,7 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
         return f"model type {kind!r} is not one of {MODEL_TYPES}"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+    if inner is None or layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         return "the model does not have the Llama module layout"
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {getattr(config, 'hidden_act', None)!r} is not silu"
@@ -79,8 +82,8 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     return None
 
 
-def _base(module: nn.Module) -> nn.Linear:
-    return module.base_layer if isinstance(module, MultiLoraLinear) else module  # type: ignore[return-value]
+def _base(module: Projection) -> nn.Linear:
+    return module.base_layer if isinstance(module, MultiLoraLinear) else module
 
 
 class LlamaRunner:
@@ -106,15 +109,17 @@ class LlamaRunner:
         if reason is not None:
             raise ValueError(f"the fused runner cannot serve this model: {reason}")
         self.model, self.adapted, self.kv, self.autocast = model, adapted, kv, autocast
-        inner = model.model  # type: ignore[union-attr]
-        config = model.config  # type: ignore[union-attr]
+        # unsupported_reason checked the Llama module layout (Mistral's and Qwen2's are the same)
+        llama = cast("LlamaForCausalLM", model)
+        inner, config = llama.model, llama.config
         attn = inner.layers[0].self_attn
         self.head_dim, self.scale = int(attn.head_dim), float(attn.scaling)
-        self.hq, self.hkv = int(config.num_attention_heads), int(config.num_key_value_heads)
-        self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head  # type: ignore[union-attr]
+        self.hq = int(config.num_attention_heads)
+        self.hkv = int(config.num_key_value_heads or self.hq)  # typed int | None; the config fills None in as hq
+        self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, llama.lm_head
         # CPU float32: matrices stored in-feature-major (serving.engine.runner.layout), the fast GEMM form there
         self.in_major = in_feature_major(kv.device, kv.dtype) and self.embed.weight.dtype == kv.dtype
-        self.mods: list[dict[str, nn.Module]] = []
+        self.mods: list[dict[str, Projection]] = []
         self.weights: list[dict[str, torch.Tensor | None]] = []
         self.norm_w: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
         for layer in inner.layers:
@@ -159,7 +164,9 @@ class LlamaRunner:
         if self.slots is not None:
             for per, source, folded in zip(self.weights, sources, self.slots.folded, strict=True):
                 for group in folded:
-                    forget_compute_copy(source[group], per.pop(group))  # type: ignore[arg-type]
+                    matrix, held = source[group], per.pop(group)
+                    assert matrix is not None and held is not None  # a group's matrix: only biases are None
+                    forget_compute_copy(matrix, held)
                     per.pop(group + "_bias")
 
     # --- what runs here -------------------------------------------------------------------------
@@ -207,7 +214,9 @@ class LlamaRunner:
         if self.slots is not None and group in self.slots.folded[layer]:
             return self.slots.linear(layer, group, x, lora.get(group))
         w = self.weights[layer]
-        y = linear(x, w[group], w[group + "_bias"])  # type: ignore[arg-type]
+        weight = w[group]
+        assert weight is not None  # a group's matrix: only biases are None
+        y = linear(x, weight, w[group + "_bias"])
         if group in lora and self.slots is not None:
             self.slots.apply(layer, group, x, y, lora[group])
         return y
@@ -288,6 +297,7 @@ class LlamaRunner:
         lens = [len(r.tokens) for r in rows]
         B, T, N, D = len(rows), max(lens), sum(lens), len(decode)
         kv.ensure(max([r.end for r in rows] + [d.position + 1 for d in decode]))
+        padded: list[int]
         ids, pos, wslot, padded = [], [], [], []
         for b, r in enumerate(rows):
             ids += list(r.tokens)

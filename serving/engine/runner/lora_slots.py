@@ -50,6 +50,9 @@ from serving.engine.runner.layout import in_feature_major, linear, pack
 
 logger = logging.getLogger(__name__)
 
+# A decoder layer's projection as the runner finds it: the model's Linear, or the adapter layer around it.
+Projection = torch.nn.Linear | MultiLoraLinear
+
 # projection groups of a Llama-family decoder layer, each with the targets sharing its input
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -88,7 +91,7 @@ class LoraSlots:
         packed: :meth:`apply` reads oneDNN-packed copies of the stacks (CPU bf16, where the runner packs).
     """
 
-    def __init__(self, adapted: AdaptedModel, layers: Sequence[dict[str, torch.nn.Module]], capacity: int, rank: int,
+    def __init__(self, adapted: AdaptedModel, layers: Sequence[dict[str, Projection]], capacity: int, rank: int,
                  dtype: torch.dtype, device: torch.device, grow: bool = False,
                  bases: Sequence[dict[str, torch.Tensor | None]] | None = None, packed: bool = False) -> None:
         self.adapted, self.capacity, self.max_rank, self.packed = adapted, capacity, rank, packed
@@ -103,11 +106,11 @@ class LoraSlots:
                 continue
             columns, start = [], 0
             for t in targets:
-                width = int(mods[t].out_features)  # type: ignore[union-attr]
+                width = int(mods[t].out_features)
                 if t in adapted_targets:
                     columns.append((start, start + width))
                 start += width
-            d_in = int(mods[targets[0]].in_features)  # type: ignore[union-attr]
+            d_in = int(mods[targets[0]].in_features)
             self.layouts[group] = GroupLayout(adapted_targets, tuple(columns), d_in, start)
         # per layer, folded group -> ([W; A] (d_out + S*nt*r, d_in), [b; 0] or None)
         self.folded: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in self.layers]
@@ -217,7 +220,7 @@ class LoraSlots:
                 mod = mods.get(t)
                 if isinstance(mod, MultiLoraLinear) and name in mod.adapters:
                     a = mod.adapters[name]
-                    out += [id(a), a.lora_A._version, a.lora_B._version]  # type: ignore[union-attr]
+                    out += [id(a), a.lora_A._version, a.lora_B._version]
             return tuple(out)
         return ()
 

@@ -311,7 +311,7 @@ def test_ttp_limit_cuts_only_a_clients_off_task_examples(tmp_path: Path) -> None
     glob = summary["ttp_scores"]["global"]
     assert ttp["FedDPA-T [global]"] == pytest.approx((glob["sorting"]["rouge1"] + glob["capitals"]["rouge1"]) / 2)
     # each client's per-example scores behind its cells, in test order, for paired comparisons between runs
-    from training.metrics import example_scores
+    from training.scoring import example_scores
 
     ex = summary["example_scores"]
     assert ex["metric"] == "rouge1" and set(ex["personalization"]) == {"sorting", "capitals"}

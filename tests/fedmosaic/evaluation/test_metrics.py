@@ -8,7 +8,7 @@ import pytest
 
 from fedmosaic.evaluation import plots, tables
 from fedmosaic.evaluation.predictions import Prediction, PredictionCache
-from training.metrics import Scores, example_scores, score
+from training.scoring import Scores, example_scores, score
 
 
 def test_rouge_and_exact_on_hand_checked_pairs() -> None:

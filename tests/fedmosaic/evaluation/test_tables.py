@@ -7,7 +7,7 @@ Before, the Personalization block looked each client's own task up among the sco
 from __future__ import annotations
 
 from fedmosaic.evaluation import tables
-from training.metrics import Scores
+from training.scoring import Scores
 
 
 def grid(values: dict[str, dict[str, float]]) -> dict[str, dict[str, Scores]]:
