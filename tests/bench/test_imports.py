@@ -33,6 +33,9 @@ def test_the_module_imports(name: str) -> None:
     importlib.import_module(name)
 
 
+# The module was imported by the test above; runpy warns that it runs a fresh copy as __main__, which is
+# what `python -m` does too.
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
 @pytest.mark.parametrize("name", sorted(set(MODULES) - HELPERS))
 def test_the_scripts_help_parses(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
                                  ) -> None:
