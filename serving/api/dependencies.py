@@ -1,7 +1,7 @@
 """Request-scoped access to the server state (engine, pool, resolver), the caller and its role.
 
-Handlers get everything through these dependencies, so tests can override them
-(``app.dependency_overrides``) and nothing reaches for globals.
+Handlers get everything through these dependencies, so nothing reaches for globals: the state lives on
+the app that ``create_app`` built.
 """
 
 from __future__ import annotations
