@@ -8,11 +8,10 @@ data, preset, metric and evaluation, whichever invocation made it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from fedmosaic.reproduce.options import Table1Options
+from fedmosaic.reproduce.options import Table1Options, read_json
 
 LABELS = {"fedit": "FedIT", "fedlora": "FedLoRA", "feddpa-f": "FedDPA-F", "feddpa-t": "FedDPA-T", "local": "Local",
           "fedoa": "FedOA", "fedmcp": "FedMCP", "fedamole": "FedAMoLE", "pfedseq": "pFedSeq",
@@ -61,7 +60,7 @@ def table_cells(out: Path, opts: Table1Options) -> list[tuple[str, Cell]]:
     want = {"preset": opts.preset, "data": opts.data, "metric": opts.metric, "eval": eval_settings(opts)}
     found: dict[tuple[str, int, str], tuple[str, Cell]] = {}
     for path in sorted((out / "cells").glob("*.json")):
-        cell = json.loads(path.read_text())
+        cell = read_json(path)
         if not all(cell.get(k) == v for k, v in want.items()):
             continue
         key = (cell["method"], cell["seed"], cell["rule"])

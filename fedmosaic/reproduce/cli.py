@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fedmosaic.reproduce import results, table1
 from fedmosaic.reproduce.cells import LABELS
-from fedmosaic.reproduce.options import DEFAULT_METHODS, Table1Options
+from fedmosaic.reproduce.options import DEFAULT_METHODS, HarnessFileError, Table1Options
 
 
 def add_reproduce_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,8 +54,11 @@ def options(args: argparse.Namespace) -> Table1Options:
 def run_reproduce(args: argparse.Namespace) -> int:
     """Entry of ``fedmosaic reproduce``: 1 when a cell failed (the others are made and tabulated)."""
     opts = options(args)
-    if args.tables_only:
-        for path in results.rewrite(Path(opts.out), opts):
-            print(path)
-        return 0
-    return 1 if table1.reproduce(opts)["failed"] else 0
+    try:
+        if args.tables_only:
+            for path in results.rewrite(Path(opts.out), opts):
+                print(path)
+            return 0
+        return 1 if table1.reproduce(opts)["failed"] else 0
+    except HarnessFileError as exc:  # a damaged file outside any one cell's work: named, nothing written
+        raise SystemExit(f"fedmosaic reproduce: {exc}") from exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from training.local.regime import BUDGETS
@@ -117,3 +118,25 @@ def evaluation_text(opts: Table1Options) -> str:
             + f", {opts.max_new_tokens} new tokens"
             + ("" if opts.ttp_limit is None else f"; TTP: every model on the first {opts.ttp_limit} "
                "examples of each task"))
+
+
+class HarnessFileError(ValueError):
+    """One of the harness's JSON files cannot be read; its message names the file and what to do."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """One of the harness's JSON files (a cell, a run's record, the folder's settings), as a dict.
+
+    Raises:
+        HarnessFileError: the file is missing, not UTF-8, not JSON or not an object, naming it. Nothing is
+            overwritten: inside a run only the cell that needs the file fails, and a damaged committed cell is
+            restored from git or deleted to be made again.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HarnessFileError(f"{path} cannot be read as JSON ({exc}); restore it (git), or delete a cell's "
+                               "file to make that cell again") from exc
+    if not isinstance(data, dict):
+        raise HarnessFileError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmosaic.reproduce.cells import LABELS, Cell
-from fedmosaic.reproduce.options import Table1Options, default_preset, evaluation_text
+from fedmosaic.reproduce.options import Table1Options, default_preset, evaluation_text, read_json
 from fedmosaic.reproduce.tables import Table
 
 READINGS = "READINGS.md"  # a folder's hand-written readings of its tables, linked when present
@@ -63,7 +63,7 @@ def eval_flags(opts: Table1Options) -> list[str]:
 def contents(out: Path, opts: Table1Options, table: Table, ablations: dict[str, Table]) -> list[str]:
     """The bullets saying what the folder holds."""
     every = sorted(p.name for p in (out / "cells").glob("*.json"))
-    recorded = json.loads((out / "table1_settings.json").read_text())
+    recorded = read_json(out / "table1_settings.json")
     trained = [f"preset {recorded.get('preset')}", f"data {recorded.get('data')}", f"model {recorded.get('model')}"]
     trained += [f"{k} {recorded[k]}" for k in ("data_option", "rounds", "option") if recorded.get(k)]
     lines = [f"* `cells/`: one JSON per method x seed x weighting rule; {len(table.cells)} made with this table's "
@@ -76,7 +76,7 @@ def contents(out: Path, opts: Table1Options, table: Table, ablations: dict[str, 
     if (out / READINGS).is_file():
         lines.append(f"* `{READINGS}`: hand-written readings of these tables.")
     for name in (n for n in every if n not in table.names):
-        cell = json.loads((out / "cells" / name).read_text())
+        cell = read_json(out / "cells" / name)
         other = dataclasses.replace(opts, **{k: cell["eval"].get(k) for k in ("limit", "ttp_limit", "num_beams",
                                                                                 "max_new_tokens")})
         lines.insert(1, f"  * `{name}`, not in the tables: {cell['metric']} on {evaluation_text(other)}.")
@@ -146,12 +146,13 @@ def weights(cells: list[Cell]) -> list[str]:
 
 def ablation_lines(out: Path, name: str, opts: Table1Options, ablation: Table) -> list[str]:
     """An ablation subfolder: how its runs differ from the table's, its command and its tables."""
-    mine = json.loads((out / "table1_settings.json").read_text())
-    theirs = json.loads((out / name / "table1_settings.json").read_text())
+    mine = read_json(out / "table1_settings.json")
+    theirs = read_json(out / name / "table1_settings.json")
     differ = []
     for key in ("preset", "data", "data_option", "rounds", "model", "option"):
         if theirs.get(key) != mine.get(key):
-            values = theirs.get(key) if isinstance(theirs.get(key), list) else [theirs.get(key)]
+            value = theirs.get(key)
+            values: list[Any] = value if isinstance(value, list) else [value]
             flag = "--" + key.replace("_", "-")
             differ += [f"`{flag} {v}`" for v in values] or [f"no `{flag}`"]
     recorded = {k: theirs[k] for k in ("preset", "data", "rounds", "model") if k in theirs}
@@ -171,11 +172,11 @@ def set_aside(out: Path, folder: Path) -> list[str]:
              "| Cell | Personalization | TTP | In `cells/` now |" + (" Client fits failed |" if runs else ""),
              "|---|---:|---:|---|" + ("---|" if runs else "")]
     for path in sorted(folder.glob("*.json")):
-        cell = json.loads(path.read_text())
+        cell = read_json(path)
         current = out / "cells" / path.name
         now = "–"
         if current.is_file():
-            fresh = json.loads(current.read_text())
+            fresh = read_json(current)
             now = f"{_avg(fresh, 'personalization')} / {_avg(fresh, 'ttp')}"
         metrics = folder / f"{cell['method']}__seed{cell['seed']}__metrics.jsonl"
         lines.append(f"| `{path.name}` | {_avg(cell, 'personalization')} | {_avg(cell, 'ttp')} | {now} |"

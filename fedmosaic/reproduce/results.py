@@ -17,7 +17,7 @@ from typing import Any
 
 from fedmosaic.reproduce import readme
 from fedmosaic.reproduce.cells import table_cells
-from fedmosaic.reproduce.options import Table1Options, evaluation_text
+from fedmosaic.reproduce.options import Table1Options, evaluation_text, read_json
 from fedmosaic.reproduce.orderings import ordering_rows, read_examples
 from fedmosaic.reproduce.tables import Table, aggregate, markdown
 
@@ -57,7 +57,7 @@ def with_settings(folder: Path, opts: Table1Options) -> Table1Options:
     path = folder / SETTINGS
     if not path.is_file():
         raise SystemExit(f"fedmosaic reproduce: {folder} has no {SETTINGS}: not a folder of reproduce's cells")
-    recorded = json.loads(path.read_text())
+    recorded = read_json(path)
     keep = {k: recorded[k] for k in ("preset", "data", "rounds", "model") if k in recorded}
     lists: dict[str, Any] = {k: tuple(recorded[k]) for k in ("data_option", "option") if k in recorded}  # tuples
     return dataclasses.replace(opts, **keep, **lists)
@@ -87,7 +87,7 @@ def rewrite(out: Path, opts: Table1Options) -> list[Path]:
     opts = with_settings(out, opts)
     table = tabulate(out, opts)
     if not table.cells:
-        made = sorted({json.dumps(json.loads(p.read_text()).get("eval"), sort_keys=True)
+        made = sorted({json.dumps(read_json(p).get("eval"), sort_keys=True)
                        for p in (out / "cells").glob("*.json")})
         raise SystemExit(f"fedmosaic reproduce: no cell in {out / 'cells'} was made with {evaluation_text(opts)} "
                          f"({opts.metric}); its cells' evaluation settings: {', '.join(made) or 'none'}: "

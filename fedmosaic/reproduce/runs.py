@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from fedmosaic.reproduce.options import Table1Options
+from fedmosaic.reproduce.options import Table1Options, read_json
 from models import load_base_model
 from models.settings import DType
 from training.data import load_dataset
@@ -55,7 +55,7 @@ def check_training_settings(out: Path, opts: Table1Options) -> None:
     mine = json.loads(json.dumps({k: getattr(opts, k) for k in keys}))  # tuples as the file's lists
     path = out / "table1_settings.json"
     if path.is_file():
-        theirs = json.loads(path.read_text())
+        theirs = read_json(path)
         if {k: theirs.get(k) for k in keys} != mine:
             raise SystemExit(f"fedmosaic reproduce: {out} holds runs trained with {theirs}, not {mine}: "
                              "use another --out")
@@ -70,7 +70,7 @@ def check_run_data(run_dir: Path, data_options: dict[str, Any]) -> None:
         SystemExit: the run at ``run_dir`` was trained on other data options (both are named).
     """
     if (run_dir / "run.json").is_file():
-        theirs = json.loads((run_dir / "run.json").read_text()).get("data_options") or {}
+        theirs = read_json(run_dir / "run.json").get("data_options") or {}
         if theirs != data_options:
             raise SystemExit(f"fedmosaic reproduce: {run_dir} was trained with data options {theirs}, "
                              f"not {data_options}: use another --out")
@@ -124,9 +124,9 @@ def train_run(method: str, seed: int, opts: Table1Options, data_options: dict[st
     check_run_data(run_dir, data_options)
     record = run_dir / "table1_train.json"
     if record.is_file():
-        return trained_cleanly(method, seed, run_dir, {**json.loads(record.read_text()), "reused": True})
+        return trained_cleanly(method, seed, run_dir, {**read_json(record), "reused": True})
     if (run_dir / "summary.json").is_file():  # a run finished before the harness recorded it: its own figures
-        done = json.loads((run_dir / "summary.json").read_text())
+        done = read_json(run_dir / "summary.json")
         info = {"train_seconds": done.get("seconds"), "rounds": done.get("rounds"),
                 "losses": [round(x, 4) for x in done.get("losses", [])], "failures": len(done.get("failures", [])),
                 "failure_errors": failure_errors(done.get("failures", []))}
@@ -137,7 +137,7 @@ def train_run(method: str, seed: int, opts: Table1Options, data_options: dict[st
         copy_rounds(src, run_dir)
         write_json(run_dir / FROM, {"rounds_from": f"{src.parent.name}/{src.name}"})
     elif (run_dir / FROM).is_file():  # a derived run interrupted after it began: still the source's rounds
-        src = Path(opts.out) / json.loads((run_dir / FROM).read_text())["rounds_from"]
+        src = Path(opts.out) / read_json(run_dir / FROM)["rounds_from"]
     eff = method_settings(method, opts.resolved_preset(), opts.rounds, options)
     dataset = load_dataset(opts.data, **data_options)
     # a fresh base per run; load_base_model checks the dtype's text against DTYPES
@@ -151,7 +151,7 @@ def train_run(method: str, seed: int, opts: Table1Options, data_options: dict[st
     info = {"train_seconds": seconds, "rounds": eff.rounds, "losses": [round(x, 4) for x in result.losses],
             "failures": len(result.failures), "failure_errors": failure_errors(result.failures)}
     if src is not None:  # the rounds are the source's: their losses and seconds, plus this run's end
-        shared = json.loads((src / "table1_train.json").read_text())
+        shared = read_json(src / "table1_train.json")
         info.update(train_seconds=round(float(shared["train_seconds"]) + seconds, 1), losses=shared["losses"],
                     rounds_from=f"{src.parent.name}/{src.name}", own_seconds=seconds)
     write_json(record, info)

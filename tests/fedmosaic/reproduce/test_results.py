@@ -51,3 +51,14 @@ def test_tables_only_rewrites_a_folder_from_its_cells_and_trains_nothing(tmp_pat
         main(["reproduce", "--tables-only", "--out", str(copy)])
     with pytest.raises(SystemExit, match="has no table1_settings.json"):
         main(["reproduce", "--tables-only", "--out", str(tmp_path / "empty")])
+
+
+@pytest.mark.parametrize("damage", [b'{"broken', b"[1, 2]", b"\xff\xfe not utf-8"])
+def test_a_damaged_cell_is_named_and_nothing_is_rewritten(tmp_path: Path, damage: bytes) -> None:
+    copy = shutil.copytree(RESULTS / "t1-gen", tmp_path / "t1-gen")
+    cell = sorted((copy / "cells").glob("*.json"))[0]
+    cell.write_bytes(damage)
+    (copy / "README.md").write_text("kept")
+    with pytest.raises(SystemExit, match=f"fedmosaic reproduce: {cell}"):
+        main(["reproduce", "--tables-only", "--ttp-limit", "50", "--out", str(copy)])
+    assert (copy / "README.md").read_text() == "kept" and cell.read_bytes() == damage
