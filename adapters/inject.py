@@ -1,7 +1,8 @@
 """Injection of MultiLoraLinear into an HF causal LM, adapter bookkeeping, and exact removal.
 
 :func:`inject` swaps every target ``nn.Linear`` (``q_proj``/``v_proj`` by default, as the FedDPA and
-FedAMoLE papers) for a :class:`~adapters.layer.MultiLoraLinear` sharing one
+FedAMoLE papers; the union of any number of target specs, :mod:`adapters.targets`) for a
+:class:`~adapters.layer.MultiLoraLinear` sharing one
 :class:`~adapters.context.AdapterContext`, and returns an :class:`AdaptedModel` handle holding the
 name -> layer map. :meth:`AdaptedModel.remove` puts the original Linear objects back, so the model
 is bit-for-bit what it was.
@@ -15,10 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from adapters.config import AdapterError, LoraConfig
+from adapters.config import AdapterError, LoraConfig, Targets, check_targets
 from adapters.context import AdapterContext
 from adapters.device import module_device
 from adapters.layer import MultiLoraLinear
+from adapters.targets import describe, select
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -59,16 +61,27 @@ class AdaptedModel:
         return str(getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "") or "")
 
     def target_layers(self, config: LoraConfig) -> dict[str, MultiLoraLinear]:
-        """Return the adapted layers whose module name ends in one of ``config.target_modules``."""
-        chosen = {p: layer for p, layer in self.layers.items() if p.rpartition(".")[2] in config.target_modules}
-        missing = set(config.target_modules) - {p.rpartition(".")[2] for p in chosen}
+        """Return the adapted layers ``config.target_modules`` targets (PEFT's rules, :mod:`adapters.targets`).
+
+        Raises:
+            AdapterError: the targets match no Linear, or some Linear they match is not injected (named).
+        """
+        wanted = select(self.model, [config.target_modules])
+        missing = [p for p in wanted if p not in self.layers]
         if missing:
             injected = sorted({p.rpartition(".")[2] for p in self.layers})
+            absent = sorted({p.rpartition(".")[2] for p in missing})
             raise AdapterError(
-                f"adapter targets {sorted(missing)} are not injected in this model (injected: {injected}); "
-                "inject with those target modules first"
+                f"adapter targets {describe(config.target_modules)!r} include {absent} ({len(missing)} layers, "
+                f"e.g. {missing[0]}), which are not injected in this model (injected: {injected}); load it into a "
+                "model injected with those target modules (fedmosaic serve --target-modules all-linear covers "
+                "every Linear but the output layer)"
             )
-        return chosen
+        return {p: self.layers[p] for p in wanted}
+
+    def targets_of(self, name: str) -> frozenset[str]:
+        """The module paths where adapter ``name`` has weights."""
+        return frozenset(path for path, _ in self.adapter_layers(name))
 
     def add_adapter(self, name: str, config: LoraConfig, seed: int | None = None) -> None:
         """Add adapter ``name`` to every target layer with PEFT's init (zero update).
@@ -168,29 +181,28 @@ class AdaptedModel:
         return self.model
 
 
-def inject(model: nn.Module, target_modules: Iterable[str] = ("q_proj", "v_proj")) -> AdaptedModel:
-    """Wrap every ``nn.Linear`` whose name ends in one of ``target_modules``.
+def inject(model: nn.Module, *target_modules: Targets | Iterable[str]) -> AdaptedModel:
+    """Wrap every ``nn.Linear`` that one of the target specs targets (their union).
 
     Args:
         model: an HF causal LM (or any module); modified in place.
-        target_modules: last name components to adapt, as PEFT's ``target_modules``.
+        target_modules: target specs as PEFT's ``target_modules`` (names, a regex or ``all-linear``,
+            :mod:`adapters.targets`); none: ``("q_proj", "v_proj")``.
 
     Raises:
-        AdapterError: nothing matched, or the model is already injected.
+        AdapterError: a spec matches no Linear, or the model is already injected.
     """
-    targets = tuple(target_modules)
+    specs = [check_targets(list(t) if not isinstance(t, str) else t) for t in target_modules] or [("q_proj", "v_proj")]
     if any(isinstance(m, MultiLoraLinear) for m in model.modules()):
         raise AdapterError("this model already has fedmosaic adapters injected; call remove() first")
     context = AdapterContext()
     layers: dict[str, MultiLoraLinear] = {}
-    for path, module in list(model.named_modules()):
-        if path.rpartition(".")[2] in targets and isinstance(module, nn.Linear):
-            wrapped = MultiLoraLinear(module, context, path)
-            wrapped.train(module.training)  # a new module defaults to training mode; follow the model
-            parent, child = _parent(model, path)
-            setattr(parent, child, wrapped)
-            layers[path] = wrapped
-    if not layers:
-        linear = sorted({p.rpartition(".")[2] for p, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise AdapterError(f"no nn.Linear named {list(targets)} in the model; its Linear modules: {linear}")
+    for path in select(model, specs):
+        module = model.get_submodule(path)
+        assert isinstance(module, nn.Linear)  # select returns Linear paths only, and nothing is injected yet
+        wrapped = MultiLoraLinear(module, context, path)
+        wrapped.train(module.training)  # a new module defaults to training mode; follow the model
+        parent, child = _parent(model, path)
+        setattr(parent, child, wrapped)
+        layers[path] = wrapped
     return AdaptedModel(model=model, context=context, layers=layers)

@@ -159,6 +159,15 @@ def _depth(value: object) -> int:
     return deepest
 
 
+def same_base(recorded: str, ours: str) -> bool:
+    """Whether an adapter's ``base_model_name_or_path`` names this model: the same name, or the same last path
+    component (a Hub id such as ``org/Model-1B`` and a local copy in a folder ``.../Model-1B``), case aside."""
+    def last(name: str) -> str:
+        return name.rstrip("/\\").replace("\\", "/").rpartition("/")[2].lower()
+
+    return recorded == ours or last(recorded) == last(ours) != ""
+
+
 def load_adapter(
     adapted: AdaptedModel,
     folder: str | Path,
@@ -182,10 +191,10 @@ def load_adapter(
     config, tensors, raw = read_adapter_folder(folder)
     base = raw.get("base_model_name_or_path")
     ours = adapted.base_model_name
-    if check_base and base and ours and base != ours:
+    if check_base and base and ours and not same_base(str(base), ours):
         raise AdapterError(
             f"adapter {folder} was trained on base model {base!r}, this model is {ours!r} "
-            "(pass check_base=False to load it anyway)"
+            "(fedmosaic serve --no-check-base, or check_base=False, loads it anyway)"
         )
     layers = adapted.target_layers(config)
     expected = {f"{p}.{w}" for p in layers for w in ("lora_A", "lora_B")}

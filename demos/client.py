@@ -125,7 +125,8 @@ class ApiClient:
         Args:
             model: the target (base, ``global``, ``<client>:local``, ``<client>``, an AMoLE client...).
             prompt: the instruction text (``instruction=True``: sent to ``/v1/completions`` in the
-                training template) or chat messages (``/v1/chat/completions`` with the model's template).
+                training template) or chat messages (``/v1/chat/completions``: the server renders them in
+                the template a run's adapters trained with, the model's chat template for other targets).
             max_tokens: generation budget.
             temperature: 0 is greedy.
             instruction: which of the two endpoints and prompt formats to use.

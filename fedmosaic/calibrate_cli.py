@@ -112,7 +112,7 @@ def calibrate_run(run_dir: str | Path, model: str | None = None, statistic: Stat
     lambda_ = gate_weight(run, cfg, clients) if gate else 0.0
     # the data set is read only when an index is re-embedded or a gate checked, before the model loads (a bad
     # spec fails first)
-    data = {cd.client_id: cd for cd in load_run_dataset(cfg).clients} if redo or gate else {}
+    data = {cd.client_id: cd for cd in load_run_dataset(cfg, run_dir=run.root).clients} if redo or gate else {}
     lost = sorted((set(clients) if gate else redo) - set(data))
     if lost:
         raise ValueError(f"the data set of {run.root} names no clients {lost}: their index cannot be rebuilt")

@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 
 from fedmosaic import plugins
@@ -33,6 +34,11 @@ def _models(args: argparse.Namespace) -> int:
         print(f"{folder}: {'ok' if problem is None else problem}")
         return 0 if problem is None else 1
     elif args.action == "list":
+        from models.families import table
+
+        print("Model families (the serving runner each runs on; tested: against transformers' logits):")
+        print(table())
+        print("\nPrepared models:")
         root = cache or settings.cache_dir()
         found = sorted(p for p in root.glob("*") if (p / prepare.MANIFEST).is_file()) if root.is_dir() else []
         for folder in found:
@@ -49,11 +55,15 @@ def _models(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from adapters import LoraConfig, inject, load_adapter
+    from adapters.io import read_adapter_config
     from models import load_base_model
     from serving.beam import GenerationConfig, generate
 
     loaded = load_base_model(args.model, dtype=args.dtype, device=args.device)
-    adapted = inject(loaded.model)
+    paths = [spec.partition(":")[0] for spec in args.adapter or []]
+    # the union of the adapters' target modules (a random adapter: the default q_proj, v_proj)
+    adapted = inject(loaded.model, *(LoraConfig().target_modules if p == "random" else read_adapter_config(p)[0]
+                                     .target_modules for p in paths))
     names, weights = [], []
     for i, spec in enumerate(args.adapter or []):
         path, _, weight = spec.partition(":")
@@ -78,14 +88,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the full argument parser: the built-in subcommands and every registered plugin.
+def build_parser(selected: str | None | object = plugins.EVERY) -> argparse.ArgumentParser:
+    """Return the argument parser: the built-in subcommands and every registered plugin.
+
+    Args:
+        selected: the subcommand the command line names (None: none): only that plugin's module is
+            imported (:func:`fedmosaic.plugins.register`); by default every plugin's is.
 
     Raises:
         ModuleNotFoundError: a plugin's module is missing although its extras are installed (a bug).
     """
     parser = argparse.ArgumentParser(prog="fedmosaic", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="prepare, verify and list base models")
@@ -107,13 +122,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     gen.set_defaults(func=_generate)
 
-    plugins.register(sub)
+    plugins.register(sub, selected=selected)
     return parser
+
+
+def version() -> str:
+    """The installed ``fedmosaic`` version (``0+unknown`` in a source tree used without installing it)."""
+    try:
+        return metadata.version(plugins.DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def named_subcommand(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the global options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedmosaic`` console script."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(named_subcommand(argv))  # only that subcommand's module: a fast --help
     args, unknown = parser.parse_known_args(argv)
     if unknown and getattr(args, "refusal", None) is None:  # a refused subcommand ignores its arguments
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -6,7 +6,9 @@ that registers its parser and a ``run_*(args)`` function that runs it) and the o
 subcommand; a module of ours that then fails to import is a bug, and the error propagates. When an extra
 is missing (a partial install such as the serve-only Docker image, which holds neither the train extra
 nor ``training/``), the subcommand is still listed, its module is not imported, and running it exits
-with one line naming the extra to install.
+with one line naming the extra to install. The command line names one subcommand: only its module is
+imported (:func:`register`'s ``selected``), the others are listed with their registry line, so
+``fedmosaic --help`` and ``fedmosaic <name> --help`` import no other subcommand's module.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "answer an OpenAI batch file offline"),
     Subcommand("calibrate", "fedmosaic.calibrate_cli", "add_calibrate_arguments", "run_calibrate", ("train",),
                "(re)build the calibrated FedDPA weighting of a trained run"),
+    Subcommand("export", "fedmosaic.export_cli", "add_export_arguments", "run_export", (),
+               "write one client's adapter of a run as a PEFT folder"),
     Subcommand("data", "fedmosaic.data_cli", "add_data_arguments", "run_data", ("train",),
                "list the data sets training can load, show a few examples"),
     Subcommand("quickstart", "fedmosaic.quickstart", "add_quickstart_arguments", "run_quickstart", ("train", "serve"),
@@ -102,12 +106,19 @@ def refusal(command: Subcommand, missing: dict[str, list[str]]) -> str:
             f"install it with `pip install -e '.[{','.join(missing)}]'` in the repository (or `make venv`)")
 
 
-def register(subparsers: argparse._SubParsersAction, commands: Sequence[Subcommand] | None = None) -> None:
+EVERY = object()  # register's default: every subcommand's module is imported
+
+
+def register(subparsers: argparse._SubParsersAction, commands: Sequence[Subcommand] | None = None,
+             selected: str | None | object = EVERY) -> None:
     """Add every subcommand to ``subparsers``: its own parser, or a refusing one while an extra is missing.
 
     Args:
         subparsers: the ``fedmosaic`` parser's subcommands.
         commands: the subcommands to add (default: :data:`SUBCOMMANDS`).
+        selected: the subcommand the command line names (None: none): only its module is imported, the
+            others get a parser holding their registry line alone (they are not run). By default every
+            module is imported.
 
     Raises:
         ModuleNotFoundError: a subcommand's module (or one it imports) is missing although its extras
@@ -119,6 +130,9 @@ def register(subparsers: argparse._SubParsersAction, commands: Sequence[Subcomma
             line = refusal(command, missing)
             parser = subparsers.add_parser(command.name, help=f"{command.help} (not installed here)", description=line)
             parser.set_defaults(func=_refuse, refusal=line)
+            continue
+        if selected is not EVERY and command.name != selected:
+            subparsers.add_parser(command.name, help=command.help)
             continue
         module = importlib.import_module(command.module)
         getattr(module, command.add)(subparsers).set_defaults(func=getattr(module, command.run))

@@ -136,7 +136,7 @@ def sample_prompt(out: Path) -> tuple[str, str, str] | None:
     from training.data import load_run_dataset
 
     cfg = json.loads((out / "run.json").read_text())
-    dataset = load_run_dataset(cfg)
+    dataset = load_run_dataset(cfg, run_dir=out)
     for client in dataset.client_ids:
         records = dataset.tests.get(dataset.task_of(client)) or dataset.client(client).train
         if records:

@@ -8,11 +8,13 @@ parameter frozen, its tokenizer (with a pad token), and the dtype policy its for
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from models import settings
+from models.families import check_config, supported_text
 from models.loaded import LoadedModel, frozen
 from models.prepare import SMOLLM2, SMOLLM2_HUB_ID, ModelError, resolve_model_path
 from models.tiny import tiny_llama
@@ -40,7 +42,7 @@ def load_base_model(
         ModelError: the folder does not exist or holds no model.
         ValueError: an unknown dtype, or a device this machine does not have.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     target = settings.resolve_device(device)
     if dtype is not None and dtype not in settings.DTYPES:
@@ -54,7 +56,15 @@ def load_base_model(
         raise ModelError(f"{local} is not a Hugging Face model folder (no config.json)")
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        config = AutoConfig.from_pretrained(path)
+    except ValueError as exc:  # a model_type this transformers does not know: named before any weight is read
+        raise ModelError(f"cannot use model {name_or_path!r}: {_model_type(local)!r} is not an architecture "
+                         f"transformers knows. Supported: {supported_text()}") from exc
+    except OSError as exc:
+        raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    check_config(config, name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as exc:
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
@@ -63,3 +73,11 @@ def load_base_model(
         # The cache folder differs per machine; adapters record the model's canonical name instead.
         model.config.name_or_path = SMOLLM2_HUB_ID
     return frozen(model, tokenizer, name_or_path, dtype)
+
+
+def _model_type(folder: Path) -> str | None:
+    """The ``model_type`` a local folder's config.json declares (None: unreadable or a hub id)."""
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None

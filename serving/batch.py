@@ -31,15 +31,16 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from serving.openai import builders
+from serving.openai import builders, compat
 from serving.openai.builders import Choice, Limits
+from serving.openai.compat import FieldPolicy, SamplingDefaults
 from serving.openai.errors import error_payload, validation_payload
 from serving.openai.responses import Answer, ChatShape, CompletionShape
 from serving.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -54,6 +55,10 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_DEPTH = 32  # lists and objects nested in one line; a chat line with content parts nests about 7
 MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
+
+
+# (model, mixture) -> the trained template a chat request to it is rendered in, None for the chat template
+TrainedStyles = Callable[[str, list[tuple[str, float]] | None], str | None]
 
 
 class Executor(Protocol):
@@ -73,6 +78,7 @@ class BatchConfig:
         max_choices: choices one line may ask for (prompts x n).
         exact_prefill: a ``<client>`` prompt with instance-wise weights is prefilled again with its routed
             weights (False: the routing pass's cache is kept; ``--feddpa-prefill once``).
+        defaults: the model's sampling defaults for fields a line leaves unset (``--generation-config``).
     """
 
     max_tokens_limit: int = 1024
@@ -80,10 +86,11 @@ class BatchConfig:
     window: int | None = None
     max_choices: int = 64
     exact_prefill: bool = True
+    defaults: SamplingDefaults = SamplingDefaults()
 
     def limits(self) -> Limits:
         """The request limits every line gets."""
-        return Limits(self.max_tokens_limit, self.default_max_tokens, self.max_choices)
+        return Limits(self.max_tokens_limit, self.default_max_tokens, self.max_choices, self.defaults)
 
 
 @dataclass(frozen=True)
@@ -196,14 +203,16 @@ def output_line(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, 
             "error": error}
 
 
-def _jobs(line: Line, tokenizer: PreTrainedTokenizerBase, config: BatchConfig) -> list[tuple[Choice, Job]]:
+def _jobs(line: Line, tokenizer: PreTrainedTokenizerBase, config: BatchConfig,
+          styles: TrainedStyles | None = None) -> list[tuple[Choice, Job]]:
     """The engine jobs of a valid line, one per choice (raises InvalidRequest on template or limit errors)."""
     body = line.body
     assert body is not None
     mixture = body.mixture()
+    style = styles(body.model, mixture) if styles is not None and isinstance(body, ChatCompletionRequest) else None
     return [(c, Job(target=body.model, sampling=c.sampling, prompt=c.prompt, prompt_ids=c.prompt_ids,
                     mixture=tuple(mixture) if mixture else None, key=(line.n, i), exact_prefill=config.exact_prefill))
-            for i, c in enumerate(builders.choices(body, tokenizer, config.limits()))]
+            for i, c in enumerate(builders.choices(body, tokenizer, config.limits(), style))]
 
 
 def _answer(line: Line, tokenizer: PreTrainedTokenizerBase, choices: list[Choice], outcomes: list[JobOutcome],
@@ -224,6 +233,8 @@ def _answer(line: Line, tokenizer: PreTrainedTokenizerBase, choices: list[Choice
             return 200, ChatShape(tokenizer, head, True, k).body(answers)
         assert isinstance(body, CompletionRequest)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": created, "model": body.model}
+        if compat.picks_best(body):  # best_of: the n candidates of highest cumulative log-probability
+            answers = compat.best_of(answers, body.n or 1, compat.candidates(body))
         return 200, CompletionShape(tokenizer, head, True, body.logprobs).body(answers)
     except Exception as exc:  # an engine error or cancellation of this line only
         logger.error("line %d (%s) failed: %s", line.n, line.custom_id, exc)
@@ -231,7 +242,8 @@ def _answer(line: Line, tokenizer: PreTrainedTokenizerBase, choices: list[Choice
 
 
 def run_batch(executor: Executor, tokenizer: PreTrainedTokenizerBase, input_path: str | Path, output_path: str | Path,
-              config: BatchConfig = BatchConfig(), progress: bool = True) -> BatchSummary:
+              config: BatchConfig = BatchConfig(), progress: bool = True, styles: TrainedStyles | None = None
+              ) -> BatchSummary:
     """Answer every line of ``input_path`` into ``output_path`` (see the module docstring).
 
     Args:
@@ -241,6 +253,9 @@ def run_batch(executor: Executor, tokenizer: PreTrainedTokenizerBase, input_path
         output_path: the results file (written atomically; ``<output>.partial`` while running).
         config: token limits and the in-flight window.
         progress: show a progress bar.
+        styles: the trained template of a chat line's target (``(model, mixture) -> style``, None for the
+            chat template; :func:`serving.openai.chat_format.trained_style` over the stack), as the server
+            renders it; None: every chat line gets the chat template.
     """
     from tqdm.auto import tqdm
 
@@ -278,12 +293,15 @@ def run_batch(executor: Executor, tokenizer: PreTrainedTokenizerBase, input_path
 
         jobs: list[Job] = []
         by_n: dict[int, tuple[Line, list[Choice]]] = {}
+        fields = FieldPolicy()  # unknown fields: one warning per name, as the server
         for line in todo:
             if line.error is not None:
                 record(line, *line.error)
                 continue
+            assert line.body is not None
+            fields.check(line.body)
             try:
-                pairs = _jobs(line, tokenizer, config)
+                pairs = _jobs(line, tokenizer, config, styles)
             except Exception as exc:  # template or limit errors of this line only
                 record(line, *error_payload(exc))
                 continue

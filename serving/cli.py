@@ -31,7 +31,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sources", nargs="*", help="RUN_DIR (with run.json) or adapter folders as name=folder")
     p.add_argument("--model", default=None, help="base model: smollm2 (default; a run's own from its run.json), "
                    "tiny, or an HF folder")
-    p.add_argument("--served-model-name", default=None, help="name of the base model in the API")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name of the base model in the API; more names are aliases (as vLLM)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "autocast-bf16"])
     p.add_argument("--device", type=device_option, default=None, help=DEVICE_HELP)
     p.add_argument("--max-loras", type=int, default=None, help="adapters loaded at once (LRU beyond; default 16)")
@@ -39,6 +40,15 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=None, help="default 1024")
     p.add_argument("--adapter-root", default=None,
                    help="runtime-loaded adapters must lie inside it (default: the run directory)")
+    p.add_argument("--target-modules", default=None, metavar="SPEC",
+                   help="Linear layers to adapt besides the served adapters' own targets: names (q_proj,v_proj), "
+                        "a regex or all-linear (every Linear but lm_head), so runtime-loaded adapters fit")
+    p.add_argument("--check-base", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse adapters whose adapter_config.json names another base model (default on; a Hub "
+                        "id and a local folder of the same name match)")
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="sampling defaults of fields a request leaves unset: auto (the model's "
+                        "generation_config.json; default), vllm (none), or DIR's generation_config.json")
     add_option_arguments(p, env="FEDMOSAIC_SERVE_FEDDPA_")  # each FedDPA option's one definition
 
 
@@ -61,6 +71,11 @@ def add_serve_arguments(subparsers: Any) -> argparse.ArgumentParser:
                    help="who sees FedDPA similarities in responses (default: admin keys only)")
     p.add_argument("--protect-metrics", action=argparse.BooleanOptionalAction, default=None,
                    help="/metrics needs an admin key")
+    p.add_argument("--strict-fields", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse (400) request fields this server does not implement (default: ignore each with "
+                        "one warning per name, as vLLM)")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="CORS: browser origins allowed to call the API ('*': any; default: none)")
     _add_engine_arguments(p, tuple(n for n in ENGINE_LIMITS if n not in _SIZE_LIMITS))
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds running requests get to finish on shutdown (default 10)")
@@ -111,10 +126,13 @@ def _timeout(text: str) -> float | object:
 # argparse destination -> ServeSettings field, for the options that map one to one
 _OPTIONS = {"model": "model", "served_model_name": "served_model_name", "dtype": "dtype", "device": "device",
             "max_loras": "max_loras", "max_tokens_limit": "max_tokens_limit", "adapter_root": "adapter_root",
+            "target_modules": "target_modules", "check_base": "check_base",
             "host": "host", "port": "port", "api_key": "api_keys",
             "api_key_file": "api_key_file", "admin_key_file": "admin_key_file", "key_bindings": "key_bindings",
             "runtime_lora": "allow_runtime_lora", "routing_details": "routing_details",
-            "protect_metrics": "protect_metrics", "default_max_tokens": "default_max_tokens",
+            "protect_metrics": "protect_metrics", "strict_fields": "strict_fields",
+            "generation_config": "generation_config", "allowed_origins": "allowed_origins",
+            "default_max_tokens": "default_max_tokens",
             "shutdown_timeout": "shutdown_timeout_s", "exit_on_engine_failure": "exit_on_engine_failure",
             "profile": "profile_dir", "header_timeout": "header_timeout_s",
             "body_timeout": "body_timeout_s", "keep_alive": "keep_alive_s", "max_connections": "max_connections",
@@ -128,14 +146,22 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     Only the options given on the command line are passed: the others come from the environment
     (``FEDMOSAIC_SERVE_*``) or the settings' defaults.
     """
-    runs = [s for s in args.sources if "=" not in s and (Path(s) / "run.json").is_file()]
-    if len(runs) > 1:
-        raise SystemExit("fedmosaic: give one run directory at most")
+    sources = list(args.sources)
     given: dict[str, Any] = {field: getattr(args, dest) for dest, field in _OPTIONS.items()
                              if getattr(args, dest, None) is not None}
+    if sources and args.model is None and _model_folder(Path(sources[0])):  # vLLM's habit: `serve MODEL`
+        given["model"] = sources.pop(0)
+    names = given.pop("served_model_name", None)
+    if names:
+        given["served_model_name"], given["model_aliases"] = names[0], names[1:]
+    runs = [s for s in sources if "=" not in s and (Path(s) / "run.json").is_file()]
+    if len(runs) > 1:
+        raise SystemExit("fedmosaic: give one run directory at most")
     if runs:
         given["run_dir"] = Path(runs[0])
-    adapters = [s if "=" in s else f"{Path(s).resolve().name}={s}" for s in args.sources if s not in runs]
+    adapters = [s if "=" in s else f"{Path(s).resolve().name}={s}" for s in sources if s not in runs]
+    for source, spec in zip([s for s in sources if s not in runs], adapters, strict=True):
+        check_adapter_source(spec, bare="=" not in source)  # before any model loads or port opens
     if adapters:
         given["adapters"] = adapters
     given = {k: None if v is _NO_DEADLINE else v for k, v in given.items()}
@@ -146,6 +172,47 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         problems = "; ".join(": ".join(filter(None, (".".join(str(p) for p in e["loc"]), e["msg"])))
                              for e in exc.errors())
         raise SystemExit(f"fedmosaic: invalid server settings: {problems}") from None
+
+
+def _model_folder(path: Path) -> bool:
+    """True for a base model's folder (``config.json``, no adapter or run files): ``fedmosaic serve MODEL``."""
+    return (path / "config.json").is_file() and not (path / "adapter_config.json").is_file() \
+        and not (path / "run.json").is_file()
+
+
+def check_adapter_source(spec: str, bare: bool = False) -> None:
+    """Exit naming ``spec`` (``name=folder``) when its folder is missing or not a readable PEFT adapter.
+
+    ``bare``: the source was given as a folder alone, which may be a base model meant for ``--model``.
+
+    Raises:
+        SystemExit: the folder does not exist, its ``adapter_config.json`` is missing or malformed, or its
+            weights file is missing or unreadable (the safetensors header is read; no tensor is loaded).
+    """
+    from safetensors import safe_open
+
+    from adapters import AdapterError
+    from adapters.io import WEIGHTS_FILE, read_adapter_config
+
+    name, _, folder = spec.partition("=")
+    path = Path(folder)
+    problem = None
+    if not path.is_dir():
+        problem = f"the adapter folder {folder} does not exist" if not path.exists() else f"{folder} is not a folder"
+        if not path.exists() and bare:
+            problem += (" (a source is a run directory or an adapter folder; to serve a base model, pass "
+                        f"--model {folder})")
+    else:
+        try:
+            read_adapter_config(path)
+            with safe_open(str(path / WEIGHTS_FILE), "pt") as weights:  # the header only
+                weights.keys()
+        except AdapterError as exc:
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own types for a missing or torn file
+            problem = f"{path / WEIGHTS_FILE} is not a readable safetensors file: {exc}"
+    if problem is not None:
+        raise SystemExit(f"fedmosaic: adapter {name!r}: {problem}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -160,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     try:
         app = create_app(settings)
-    except (AccessConfigError, RoutingError) as exc:
+    except (AccessConfigError, RoutingError, ValueError) as exc:  # ValueError: --generation-config DIR's file
         raise SystemExit(f"fedmosaic serve: {exc}") from exc
     uvicorn.run(app, log_level="info", **uvicorn_options(settings))
     return 0
@@ -185,8 +252,12 @@ def add_batch_arguments(subparsers: Any) -> argparse.ArgumentParser:
 def run_batch(args: argparse.Namespace) -> int:
     """Answer the batch file; print a JSON summary. Exit status 1 when any line failed (each has its error
     record in the output), else 0."""
+    from functools import partial
+
     from routing.base import RoutingError
     from serving.batch import BatchConfig, run_batch
+    from serving.openai.chat_format import trained_style
+    from serving.openai.compat import generation_defaults
     from serving.stack import build_stack, stack_config
     from serving.vllm_backend import BackendUnavailable, VLLMBackend, choose_backend, vllm_importable
 
@@ -207,9 +278,14 @@ def run_batch(args: argparse.Namespace) -> int:
     if backend == "vllm":
         export = Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="fedmosaic-levels-"))
         executor = VLLMBackend(stack, export, levels=args.levels, max_model_len=stack.engine.config.max_model_len)
+    try:
+        defaults = generation_defaults(settings.generation_config, getattr(stack.loaded.model, "generation_config",
+                                                                           None))
+    except ValueError as exc:
+        raise SystemExit(f"fedmosaic batch: {exc}") from exc
     config = BatchConfig(max_tokens_limit=settings.max_tokens_limit, default_max_tokens=settings.default_max_tokens,
-                         exact_prefill=settings.feddpa_prefill == "exact")
+                         exact_prefill=settings.feddpa_prefill == "exact", defaults=defaults)
     summary = run_batch(executor, stack.loaded.tokenizer, args.input, args.output, config,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, styles=partial(trained_style, stack))
     print(json.dumps({**summary.__dict__, "backend": backend}))
     return 1 if summary.failed else 0

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from adapters.targets import parse_targets
 from routing.base import Pooling
 from routing.feddpa import Mode, Similarity, Variant, similarity_name
 from routing.feddpa_options import OPTION_NAMES, FedDPAOptions, Prefill, Routing, Rule, option_default, option_help
@@ -53,6 +54,8 @@ class ServeSettings(BaseSettings):
     model: str = Field("smollm2", description="base model: smollm2, tiny, or an HF model folder (a served run's "
                        "own, from its run.json, unless given)")
     served_model_name: str | None = Field(None, description="name of the base model in the API (default: model)")
+    model_aliases: Keys = Field(default_factory=list, description="more names of the base model in the API "
+                                "(`--served-model-name NAME ALIAS...`, as vLLM)")
     dtype: str | None = Field(None, description="float32, bfloat16 or autocast-bf16 (default: FEDMOSAIC_DTYPE, "
                                                 "else bfloat16 on CUDA, autocast-bf16 on a CPU with native "
                                                 "bf16, float32 on other CPUs)")
@@ -61,8 +64,9 @@ class ServeSettings(BaseSettings):
     run_dir: Path | None = Field(None, description="a training run directory to serve (global + clients)")
     adapters: list[str] = Field(default_factory=list, description="extra adapters as name=folder")
     adapter_root: Path | None = Field(None, description="adapter folders must lie inside it (default: run dir)")
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"],
-                                      description="Linear layers to adapt")
+    target_modules: str | None = Field(None, description="Linear layers to adapt besides the served adapters' own "
+                                       "targets (always adapted, their union): names (q_proj,v_proj), a regex or "
+                                       "all-linear; runtime-loaded adapters must fit in the union")
     max_loras: int = Field(16, ge=1, description="adapters loaded at once (LRU beyond)")
     # the engine's limits: each defined once in serving.engine.config (description, bound; default unless noted)
     max_batch_size: int | None = _engine("max_batch_size", None, unset="auto_slots")
@@ -80,6 +84,13 @@ class ServeSettings(BaseSettings):
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(128, ge=1)
     max_choices: int = Field(64, ge=1, description="choices one request may ask for (prompts x n)")
+    strict_fields: bool = Field(False, description="refuse (400) request fields this server does not implement "
+                                "instead of ignoring them with a warning")
+    generation_config: str = Field("auto", min_length=1, description="sampling defaults for fields a request leaves "
+                                   "unset: auto (the model's generation_config.json), vllm (none), or a folder "
+                                   "holding a generation_config.json")
+    allowed_origins: Keys = Field(default_factory=list, description="CORS: browser origins allowed to call the "
+                                  "API ('*' for any; none: no CORS headers)")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body (413 beyond)")
     api_keys: Keys = Field(default_factory=list, description="user bearer keys (inference, /v1/models); with no "
                            "key of any kind the server is open")
@@ -134,6 +145,14 @@ class ServeSettings(BaseSettings):
         """The ``feddpa_*`` settings as the stack's :class:`~routing.feddpa_options.FedDPAOptions`."""
         return FedDPAOptions(**{name: getattr(self, f"feddpa_{name}") for name in OPTION_NAMES})
 
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | None) -> str | None:
+        """A target spec :func:`adapters.targets.parse_targets` reads (a regex must compile)."""
+        if value is not None:
+            parse_targets(value)  # an AdapterError is a ValueError: pydantic names the field
+        return value
+
     @field_validator("feddpa_similarity", mode="before")
     @classmethod
     def _similarity(cls, value: Any) -> Any:
@@ -165,7 +184,7 @@ class ServeSettings(BaseSettings):
                              f"leave out --model (FEDMOSAIC_SERVE_MODEL) to serve it on {trained!r}")
         return self
 
-    @field_validator("api_keys", "admin_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", "model_aliases", "allowed_origins", mode="before")
     @classmethod
     def _key_list(cls, value: Any) -> Any:
         """Accept a JSON list or a comma-separated string (the environment's two usual spellings)."""

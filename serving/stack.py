@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from adapters import AdaptedModel, inject
+from adapters.config import Targets
+from adapters.targets import parse_targets
 from models import LoadedModel, load_base_model
 from models.settings import DType
 from routing.base import local_name
@@ -32,6 +34,7 @@ from serving.engine import Engine, EngineConfig
 from serving.engine.request import GenerationRequest, GenerationResult, RequestHandle
 from serving.engine.sampling import SamplingParams
 from serving.pool import AdapterPool, Lease, RunInfo
+from serving.pool.targets import served_targets
 from serving.settings import ServeSettings
 from serving.targets import TargetPlan, TargetResolver, WeightRouter
 
@@ -45,13 +48,15 @@ class StackConfig:
     Attributes:
         model: base model: ``smollm2``, ``tiny``, or an HF model folder.
         served_model_name: the base model's target name (default: ``model``).
+        model_aliases: more target names of the base model.
         dtype: ``float32``, ``bfloat16`` or ``autocast-bf16`` (None: the setting's default).
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (None: ``FEDMOSAIC_DEVICE``, default auto).
         run_dir: a training run directory to serve (``global`` and every ``<client>:local``).
         adapters: extra adapters as ``name=folder``.
         adapter_root: adapter folders must resolve inside it (default: the run directory, else the
             common parent of ``adapters``).
-        target_modules: Linear layers to adapt.
+        target_modules: Linear layers to adapt besides the served adapters' own targets (None: only theirs,
+            ``q_proj``/``v_proj`` when there are none; :mod:`serving.pool.targets`).
         max_loras: adapters loaded at once (LRU beyond).
         engine: batch and length limits of the engine.
         feddpa: how ``<client>`` targets are weighted (:class:`~routing.feddpa_options.FedDPAOptions`,
@@ -63,12 +68,13 @@ class StackConfig:
 
     model: str = "smollm2"
     served_model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()
     dtype: str | None = None
     device: str | None = None
     run_dir: Path | None = None
     adapters: tuple[str, ...] = ()
     adapter_root: Path | None = None
-    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    target_modules: Targets | None = None
     max_loras: int = 16
     engine: EngineConfig = EngineConfig()
     feddpa: FedDPAOptions = FedDPAOptions()
@@ -90,8 +96,10 @@ def stack_config(settings: ServeSettings) -> StackConfig:
     """The stack configuration of the server's settings (``fedmosaic serve`` and ``fedmosaic batch``)."""
     s = settings
     return StackConfig(
-        model=s.model, served_model_name=s.served_model_name, dtype=s.dtype, device=s.device, run_dir=s.run_dir,
-        adapters=tuple(s.adapters), adapter_root=s.adapter_root, target_modules=tuple(s.target_modules),
+        model=s.model, served_model_name=s.served_model_name, model_aliases=tuple(s.model_aliases), dtype=s.dtype,
+        device=s.device, run_dir=s.run_dir,
+        adapters=tuple(s.adapters), adapter_root=s.adapter_root,
+        target_modules=parse_targets(s.target_modules) if s.target_modules else None,
         max_loras=s.max_loras, engine=s.engine_config(), feddpa=s.feddpa_options(), default_alpha=s.default_alpha,
         check_base=s.check_base)
 
@@ -284,12 +292,14 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
     """
     loaded = loaded if loaded is not None else load_base_model(  # which checks the dtype is one of DTYPES
         config.model, dtype=cast(DType | None, config.dtype), device=config.device)
-    adapted = inject(loaded.model, config.target_modules)
-    engine = Engine(loaded, adapted, config.engine)
     specs = [(name, Path(path)) for name, _, path in (spec.partition("=") for spec in config.adapters)]
     # absolute paths: the pool resolves relative names against its root, so a relative run dir that is also
     # the root would be looked up inside itself
     run_dir = Path(config.run_dir).resolve() if config.run_dir is not None else None
+    # the union of every served adapter's targets (and any asked for): each adapter adds only where it has weights
+    served = served_targets(run_dir, [path for _, path in specs], loaded.model)
+    adapted = inject(loaded.model, *served, *([config.target_modules] if config.target_modules else []))
+    engine = Engine(loaded, adapted, config.engine)
     root = Path(config.adapter_root).resolve() if config.adapter_root else run_dir
     if root is None and specs:
         # adapters named on the command line: confine runtime loads to their common folder
@@ -314,7 +324,7 @@ def build_stack(config: StackConfig, router: WeightRouter | None = None, loaded:
                            "`fedmosaic calibrate %s` adds it", run.root, run.root)
     if run is not None and feddpa.instance and routing == "fixed" and run.global_name:
         logger.info("run %s has no embedding index: <client> targets use the fixed weight %.3f", run.root, alpha)
-    resolver = TargetResolver(config.base_name, pool, router, alpha)
+    resolver = TargetResolver(config.base_name, pool, router, alpha, config.model_aliases)
     info = {"alpha": alpha, "routing": routing, "feddpa_samples": feddpa.samples, "feddpa_mode": feddpa.mode}
     if routing == "instance":
         info["feddpa_weighting"] = feddpa.rule

@@ -74,11 +74,13 @@ class TargetResolver:
         pool: the adapter pool (None: base model only).
         router: the FedDPA weight router; None uses ``FixedWeightRouter(default_alpha)``.
         default_alpha: the fixed local weight without a router (the run's ``inference_weight``).
+        aliases: more names of the base model (vLLM's ``--served-model-name NAME ALIAS...``).
     """
 
     def __init__(self, base_name: str, pool: AdapterPool | None, router: WeightRouter | None = None,
-                 default_alpha: float = 0.5) -> None:
+                 default_alpha: float = 0.5, aliases: Sequence[str] = ()) -> None:
         self.base_name = base_name
+        self.aliases = tuple(dict.fromkeys(a for a in aliases if a != base_name))
         self.pool = pool
         self.router: WeightRouter = router if router is not None else FixedWeightRouter(default_alpha)
 
@@ -95,7 +97,7 @@ class TargetResolver:
         """Every name ``resolve`` accepts: base, loaded adapters, FedDPA and AMoLE clients."""
         adapters = self.pool.names() if self.pool is not None else []
         seen = set(adapters)  # a set: a run with 1,000 clients made this list check quadratic
-        return [self.base_name, *adapters, *(c for c in self.clients() if c not in seen)]
+        return [self.base_name, *self.aliases, *adapters, *(c for c in self.clients() if c not in seen)]
 
     def serves(self, model: str) -> bool:
         """True when ``resolve`` accepts ``model``: the same names as :meth:`models`, in constant time.
@@ -103,7 +105,7 @@ class TargetResolver:
         ``resolve`` runs for every request; building the full list there cost about 11 ms per request
         with 1,000 clients (``bench/serving/scale.py``).
         """
-        if model == self.base_name:
+        if model == self.base_name or model in self.aliases:
             return True
         if self.pool is None:
             return False
@@ -115,6 +117,8 @@ class TargetResolver:
         """What ``model`` is, for ``/v1/models`` cards (``kind`` and the parts it uses)."""
         if model == self.base_name:
             return {"kind": "base"}
+        if model in self.aliases:
+            return {"kind": "base", "alias_of": self.base_name}
         if self.pool is not None and model in self.pool:
             return {"kind": "adapter"}
         owner = self.pool.amole_model_of(model) if self.pool is not None else None
@@ -144,7 +148,7 @@ class TargetResolver:
             if missing:
                 raise ModelNotFound(f"adapters {missing} are not loaded")
             return TargetPlan("mixture", names, tuple(float(w) for _, w in mixture))
-        if model == self.base_name:
+        if model == self.base_name or model in self.aliases:
             return TargetPlan("base", (), ())
         if self.pool is not None and model in self.pool:
             return TargetPlan("adapter", (model,), (1.0,))

@@ -168,7 +168,9 @@ def vllm_rank(rank: int) -> int:
 
 
 def unsupported_sampling(params: SamplingParams) -> str | None:
-    """The first parameter of ``params`` this backend cannot honour (log-probabilities), or None."""
+    """The first parameter of ``params`` this backend cannot honour (log-probabilities, a grammar), or None."""
+    if params.grammar is not None:
+        return "response_format"
     if params.logprobs is not None:
         return "logprobs"
     if params.prompt_logprobs is not None:
@@ -239,6 +241,7 @@ class VLLMBackend:
     def _sampling(self, job: Job) -> Any:
         s = job.sampling
         return self._vllm.SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
+                                         min_p=s.min_p,
                                          max_tokens=s.max_tokens, stop=list(s.stop), seed=s.seed,
                                          ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
                                          frequency_penalty=s.frequency_penalty,

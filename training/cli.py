@@ -38,6 +38,16 @@ def _compile_mode(text: str) -> str:
     return text
 
 
+def _targets(text: str) -> Any:
+    """``--target-modules``'s value as a target spec (:func:`adapters.targets.parse_targets`; its reason otherwise)."""
+    from adapters.targets import parse_targets
+
+    try:
+        return parse_targets(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``fedmosaic train``."""
     from training.algorithms import ALGORITHMS
@@ -68,9 +78,23 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--device", type=settings.device_option, default=None, help=settings.DEVICE_HELP)
     for name, kind in TRAIN_OVERRIDES:
         p.add_argument(f"--{name}", type=kind, default=None, help="overrides the method's regime and the preset")
+    lora = p.add_argument_group("LoRA (every method; in run.json and each adapter's adapter_config.json)")
+    lora.add_argument("--lora-r", type=int, default=None, metavar="R", help="LoRA rank (default 8)")
+    lora.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
+                      help="lora_alpha: the update is scaled by alpha / r (default 16)")
+    lora.add_argument("--lora-dropout", type=float, default=None, metavar="P", help="dropout on the adapters' input "
+                      "while training (default 0.05)")
+    lora.add_argument("--target-modules", type=_targets, default=None, metavar="SPEC",
+                      help="the Linear layers to adapt, as PEFT's target_modules: names (q_proj,v_proj, the "
+                           "default), a regex matched against the whole module path, or all-linear (every Linear "
+                           "but lm_head)")
     p.add_argument("--compile", nargs="?", const="default", default=None, type=_compile_mode, metavar="MODE",
                    help="torch.compile the base model's decoder layers for training (mode: default or "
                         "max-autotune); the same training up to float order, after a one-off compile")
+    p.add_argument("--prompt-style", choices=("alpaca_short", "chat"), default=None,
+                   help="the prompt template training, evaluation, FedDPA's instance prompts and served chat use: "
+                        "alpaca_short (the paper's, default) or chat (the base model's chat template, for chat "
+                        "clients); in run.json")
     p.add_argument("--n-train", type=int, default=None, help="generated suite: training examples per client")
     p.add_argument("--n-test", type=int, default=None, help="generated suite: test examples per task")
     p.add_argument("--families", default=None, help="generated suite: comma-separated task families")
@@ -80,12 +104,18 @@ def add_train_arguments(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--hold-out", type=float, default=None, metavar="SHARE",
                    help="hold out this share (0-0.5] of each client's examples, never trained on: FedDPA clients "
                         "check on it whether their local adapter helps (the calibrated weighting's gate; in run.json)")
+    from training.data.cli_args import add_source_arguments
+
+    add_source_arguments(p.add_argument_group("data source: table columns and partitions (docs/data.md)"))
     p.add_argument("--lr-search", nargs="?", const="0.5,1,2", default=None, metavar="MULTIPLES",
                    help="choose the lr among these multiples of the budget's rule (default 0.5,1,2) by the validation "
                         "loss on a held-out share of a few clients' training data (training.lr_search; in run.json)")
     p.add_argument("--lr-search-clients", type=int, default=2, help="clients the lr search scores")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="method option, e.g. alpha=0.3, mu=0.01, lambda=0.5, weighting=num_examples")
+                   help="method option, e.g. alpha=0.3, mu=0.01, lambda=0.5, weighting=num_examples; checked against "
+                        "the method's declared options (--help-options lists them)")
+    p.add_argument("--help-options", action="store_true",
+                   help="list the method's options (type, range, default, meaning) and exit")
     return p
 
 
@@ -101,8 +131,11 @@ def run_train(args: argparse.Namespace) -> int:
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
+            raise SystemExit(f"fedmosaic train: --option expects KEY=VALUE, got {item!r}")
         options[key] = _value(value)
+    if args.help_options:
+        print(options_help(args.method))
+        return 0
     data_options: dict[str, Any] = {}
     if args.data == "generated":
         for key in ("n_train", "n_test"):
@@ -116,8 +149,17 @@ def run_train(args: argparse.Namespace) -> int:
         if not 0.0 < args.hold_out <= 0.5:
             raise SystemExit(f"fedmosaic train: --hold-out must be in (0, 0.5], got {args.hold_out}")
         data_options["hold_out"] = args.hold_out
+    try:  # --columns / --partition: checked here, before any model loads
+        from training.data.cli_args import source_options
+
+        data_options.update(source_options(args, args.seed))
+    except DataError as exc:
+        raise SystemExit(f"fedmosaic train: {exc}") from exc
     overrides = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name, _ in TRAIN_OVERRIDES}
     overrides["compile"] = args.compile
+    overrides["prompt_style"] = args.prompt_style
+    overrides.update(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                     target_modules=args.target_modules)
     if not args.out and not args.print_config:
         raise SystemExit("fedmosaic train: --out is required (or pass --print-config)")
     if args.lr_search and args.lr is not None:
@@ -125,7 +167,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         dataset = load_dataset(args.data, **data_options)
     except DataError as exc:  # a bad data set or split: one line naming it, never a traceback
-        if not args.print_config:
+        if not args.print_config or "columns" in data_options or "partition" in data_options:
             raise SystemExit(f"fedmosaic train: {exc}") from exc
         dataset = None  # --print-config without the data: the arithmetic for FedDPA's 300 examples a client
     try:  # the settings' own checks (rounds, rates, sizes, limits) name the bad value: one line, no traceback
@@ -175,6 +217,16 @@ def run_train(args: argparse.Namespace) -> int:
               f"new --out (a --resume of {summary.run_dir} would keep those rounds)", file=sys.stderr)
         return 1
     return 0
+
+
+def options_help(method: str) -> str:
+    """``--help-options``: the method's declared options, one per line (:class:`training.options.Option`)."""
+    from training.algorithms import get_method
+
+    m = get_method(method)
+    lines = [f"{m.name} options (--option KEY=VALUE; values are JSON, else text):"]
+    lines += [f"  {o.usage()}" for o in m.options] or ["  none"]
+    return "\n".join(lines)
 
 
 def _data_counts(dataset: Any, method: str, clients_per_task: int) -> dict[str, int]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from training.options import Option, check_options, declared_defaults
 from training.state import ClientState, StateDict, state_bytes
 
 if TYPE_CHECKING:
@@ -201,7 +202,9 @@ class Method:
         has_local: clients end with a private ``local`` adapter.
         inference_weight: FedDPA's lambda: the personalized model mixes (global, local) at
             ``(1 - a, a)``; 1.0 is the local adapter alone; None: the global alone.
-        defaults: the paper's option values (documented in the method's module).
+        options: the method's declared options (:class:`training.options.Option`: type, range, default,
+            help), the one place they are defined; :attr:`defaults` and the check of a user's options
+            (:meth:`check_options`) read it.
         centralized: pool every client's data into one trainer (the Centralized baseline).
         inference_option: the option whose value overrides ``inference_weight`` (FedDPA's alpha).
         export: writes the final model in a method-specific layout (:data:`ExportFn`) instead of the
@@ -210,7 +213,8 @@ class Method:
             weight (paper 000 section 4.3), so training ends by saving each client's local-instance
             embeddings for the router; other methods' clients answer with their local adapter alone.
         data_defaults: option defaults a paper sets per data set, by data spec (FedDPA-T: alpha 0.3
-            on ``feddpa2``, paper 000 s5.1); between ``defaults`` and the user's options.
+            on ``feddpa2``, paper 000 s5.1), keyed on :func:`training.data.data_key` (a benchmark's name, also for
+            a folder holding its files); between ``defaults`` and the user's options.
         client_defaults: ``n_clients -> options``: defaults that scale with the number of clients (FedAMoLE's
             expert count), applied where the clients are known, before the user's options.
     """
@@ -221,13 +225,26 @@ class Method:
     regime: Regime
     has_local: bool = False
     inference_weight: float | None = None
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    options: tuple[Option, ...] = ()
     centralized: bool = False
     inference_option: str | None = None
     export: ExportFn | None = None
     instance_weighting: bool = False
     data_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     client_defaults: Callable[[int], Mapping[str, Any]] | None = None
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The paper's option values: the declared options' defaults (those listed, :class:`Option`)."""
+        return declared_defaults(self.options)
+
+    def check_options(self, options: Mapping[str, Any], where: str = "--option") -> dict[str, Any]:
+        """``options`` under their declared names (:func:`training.options.check_options`).
+
+        Raises:
+            OptionError: an undeclared key or a bad value (naming the closest key, or the expected range).
+        """
+        return check_options(self.name, self.options, options, where)
 
     def options_for(self, data: str | None, options: Mapping[str, Any] | None = None,
                     n_clients: int | None = None) -> dict[str, Any]:

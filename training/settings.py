@@ -12,8 +12,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from training.algorithms import get_method
+from training.data import data_key
 from training.local.regime import NOMINAL_EXAMPLES, budget, run_steps, scaled_options
 from training.local.runtime import TrainConfig, preset
+
+# method_settings override -> adapters.LoraConfig field (fedmosaic train --lora-r, ...; every method)
+LORA_OVERRIDES = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 
 
 @dataclass(frozen=True)
@@ -73,25 +77,33 @@ def method_settings(method: str, preset_name: str = "paper", rounds: int | None 
         preset_name: ``paper``, ``medium``, ``repro``, ``small`` or ``tiny``.
         rounds: communication rounds (None: the regime's, scaled by the budget).
         options: method options over its defaults.
-        data: the data spec (a paper's per-data-set defaults: FedDPA-T's alpha 0.3 on ``feddpa2``); None
+        data: the data spec (a paper's per-data-set defaults: FedDPA-T's alpha 0.3 on ``feddpa2``, or on a
+            folder holding its files: :func:`training.data.data_key`); None
             leaves such options out, for :func:`training.simulation.run_federated` to set.
         n_clients: the number of clients (defaults that scale with it: FedAMoLE's expert count); None
             leaves them out likewise.
         examples: training examples per client, for the budget arithmetic (None: 300, FedDPA's; the
             Centralized baseline pools 8 clients' worth).
         **overrides: :class:`training.local.runtime.TrainConfig` fields (None values are ignored); ``lr_decay``
-            is ``round_decay``; ``max_grad_norm`` 0 turns clipping off.
+            is ``round_decay``; ``max_grad_norm`` 0 turns clipping off; ``lora_r``, ``lora_alpha``,
+            ``lora_dropout`` and ``target_modules`` (a spec, :mod:`adapters.targets`) set the LoRA config.
     """
     m = get_method(method)
+    options = m.check_options(options or {})  # an undeclared key or a bad value: OptionError (a ValueError)
     if "lr_decay" in overrides:
         overrides["round_decay"] = overrides.pop("lr_decay")
     clip = overrides.pop("max_grad_norm", None)
+    lora = {field: overrides.pop(key) for key, field in LORA_OVERRIDES.items() if overrides.get(key) is not None}
+    for key in LORA_OVERRIDES:
+        overrides.pop(key, None)
     train = preset(preset_name, m.regime, **overrides)
+    if lora:  # an AdapterError (a ValueError) names a bad value
+        train = replace(train, lora=replace(train.lora, **lora))
     if clip is not None:
         if clip < 0:
             raise ValueError(f"--max-grad-norm must be >= 0 (0 turns clipping off), got {clip}")
         train = replace(train, max_grad_norm=clip if clip > 0 else None)
-    opts = scaled_options(m.regime, preset_name, m.options_for(data, n_clients=n_clients))
+    opts = scaled_options(m.regime, preset_name, m.options_for(data_key(data), n_clients=n_clients))
     # Defaults that depend on what is not known here are left to run_federated, which knows the data set
     # and its clients: passing the generic value on would override FedDPA-T's alpha 0.3 on feddpa2 or
     # FedAMoLE's expert count for the clients.

@@ -26,7 +26,7 @@ from adapters import write_adapter_folder
 from adapters.rundir import RunDir
 from models import LoadedModel
 from training.algorithms import get_method
-from training.data import ClientData, FederatedDataset, split_tasks
+from training.data import ClientData, FederatedDataset, data_key, split_tasks, write_split
 from training.federation import durable
 from training.federation.personalize import finish_client
 from training.federation.rounds import Reply, RoundConfig, RunPlan, RunSummary, Transport, run_record, run_rounds
@@ -158,19 +158,24 @@ def run_federated(
     Raises:
         FileExistsError: ``out_dir`` already holds a run and ``resume`` is False (never overwritten).
         ValueError: resuming a run made with other settings.
+        OptionError: an option ``method`` does not declare, or a value of the wrong type or range.
         AdapterError: another process is writing ``out_dir`` (the run directory's writer lock).
     """
     sim = SimConfig(RoundConfig(rounds=sim)) if isinstance(sim, int) else sim
     m = get_method(method)  # an unknown method fails before anything touches the disk
+    options = m.check_options(options or {}, "options")  # so does an undeclared option or a bad value
     run = RunDir(Path(out_dir))
     with run.lock("training"):
         if sim.clients_per_task > 1:
             dataset = split_tasks(dataset, sim.clients_per_task, seed=sim.loop.seed)
-        opts = {**m.options_for(data_spec, options, len(dataset.clients)), "seed": sim.loop.seed}
+        # a benchmark's defaults follow its content: a folder holding FedDPA dataset 2 is feddpa2
+        opts = {**m.options_for(data_key(data_spec), options, len(dataset.clients)), "seed": sim.loop.seed}
         config = run_record(m, opts, sim.loop, train, data=data_spec, data_options=data_options or {},
                             model=model_name or loaded.name, clients_per_task=sim.clients_per_task,
                             device=str(loaded.device), preset=preset_name, regime=m.regime.asdict(),
                             **(record or {}))
+        if dataset.split is not None:  # the clients --partition made: evaluation and calibration reload them
+            write_split(run.root, dataset.split)
         if m.centralized:
             pooled = tuple(r for c in dataset.clients for r in c.train)
             dataset = FederatedDataset(dataset.name, (ClientData("all", "all", pooled),), dataset.tests)

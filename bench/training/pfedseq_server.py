@@ -26,6 +26,7 @@ import time
 import torch
 
 from adapters import LoraConfig
+from adapters.targets import select
 from models.settings import DEVICE_HELP, device_option, resolve_device
 from training.algorithms.pfedseq.method import PFedSeqConfig, PFedSeqStrategy
 from training.protocol import FitRes
@@ -42,8 +43,9 @@ def smollm2_lora_state(lora: LoraConfig) -> StateDict:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     state: StateDict = {}
+    targets = set(select(model, [lora.target_modules]))  # PEFT's rules (adapters.targets)
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in lora.target_modules:
+        if isinstance(module, torch.nn.Linear) and name in targets:
             state[f"{name}.lora_A"] = torch.zeros(lora.r, module.in_features)
             state[f"{name}.lora_B"] = torch.zeros(module.out_features, lora.r)
     return state

@@ -42,7 +42,8 @@ def peft_model(loaded: LoadedModel, train: TrainConfig) -> torch.nn.Module:
 
     lora = train.lora
     cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                     target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+                     target_modules=lora.target_modules if isinstance(lora.target_modules, str)
+                     else list(lora.target_modules), task_type="CAUSAL_LM")  # a regex or all-linear as given
     return get_peft_model(loaded.model, cfg)
 
 

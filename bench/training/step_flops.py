@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from adapters import LoraConfig
+from adapters.targets import matches
 from training.data import IGNORE
 from training.local.packing import PACK_KEY
 
@@ -68,8 +69,14 @@ class DecoderShape:
 
 
 def _adapted(lora: LoraConfig) -> set[str]:
-    # a module's last name component, as the injection matches them (adapters.inject)
-    return {name for name in ORDER if name in lora.target_modules}
+    # a decoder layer's module names the targets match (PEFT's rules, adapters.targets), as layer 0's paths
+    if lora.target_modules == "all-linear":
+        return set(ORDER)
+    return {name for name in ORDER if matches(lora.target_modules, f"model.layers.0.{_block(name)}.{name}")}
+
+
+def _block(name: str) -> str:
+    return "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
 
 
 def _first_layer_needs_input_grad(adapted: set[str]) -> dict[str, bool]:

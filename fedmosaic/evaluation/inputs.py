@@ -77,7 +77,7 @@ def load_inputs(run: RunDir, cfg: dict[str, Any], *, data: str | None, test: str
     if not trained and not run.global_adapter.is_dir():
         raise EvalSetupError(f"{run.root} has no clients to evaluate: no adapters/clients/<id>/, adapters/amole/ "
                              "or adapters/global/ (did its training finish?)")
-    dataset = load_run_dataset(cfg, data)
+    dataset = load_run_dataset(cfg, data, run_dir=run.root)  # a --partition's split.json: the trained clients
     if trained and not trained & set(dataset.client_ids):
         raise EvalSetupError(f"data set {dataset.name!r} names clients {dataset.client_ids}, none of {run.root}'s "
                              f"{sorted(trained)}: --data must name the run's clients (--test gives other test sets)")

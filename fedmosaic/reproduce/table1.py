@@ -49,7 +49,7 @@ from fedmosaic.evaluation.predictions import PredictionCache
 from fedmosaic.reproduce import results, runs
 from fedmosaic.reproduce.cells import LABELS, cell_path, eval_settings, rules
 from fedmosaic.reproduce.options import Table1Options, data_options, default_preset, method_options
-from training.algorithms import ALGORITHMS
+from training.algorithms import ALGORITHMS, get_method
 from training.settings import method_settings
 
 
@@ -153,6 +153,11 @@ def reproduce(opts: Table1Options) -> dict[str, Any]:
     opts, note, methods = _checked(opts)
     base_options = data_options(opts.data_option)
     per_method = method_options(opts.option)
+    for method, given in per_method.items():  # a typo fails here, not in a cell after others trained
+        try:
+            get_method(method).check_options(given)
+        except ValueError as exc:
+            raise SystemExit(f"fedmosaic reproduce: {exc}") from exc
     out = Path(opts.out)
     runs.check_training_settings(out, opts)
     done, failed = [], []

@@ -18,14 +18,17 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from routing.instance import check_run_pooling
 from serving.access import KeyRing
 from serving.api import errors, openapi
 from serving.api.dependencies import ServerState
-from serving.api.routes import adapters, chat, completions, health, models, run_files
+from serving.api.openapi import package_version
+from serving.api.routes import adapters, chat, completions, health, models, run_files, tokens
 from serving.api.server import hide_query_strings
 from serving.engine.host_work import StepProfiler
+from serving.openai.compat import FieldPolicy, generation_defaults
 from serving.settings import ServeSettings
 from serving.stack import build_stack, stack_config
 from serving.targets import WeightRouter
@@ -41,6 +44,8 @@ def build_state(state: ServerState, router: WeightRouter | None = None) -> None:
     state.base_name = stack.base_name
     state.resolver = stack.resolver
     state.engine, state.pool, state.run = engine, pool, stack.run_info
+    state.sampling_defaults = generation_defaults(state.settings.generation_config,
+                                                  getattr(stack.loaded.model, "generation_config", None))
     state.metrics.bind(lambda: engine.stats().waiting, lambda: engine.stats().running, pool.loaded_count,
                        lambda: (engine.prefixes.hits, engine.prefixes.reused_tokens))
     engine.step_observers.append(state.metrics.observe_step)
@@ -184,12 +189,14 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
     settings = settings or ServeSettings()
     if settings.run_dir is not None and router is None and settings.feddpa_options().instance:
         check_run_pooling(settings.run_dir, settings.feddpa_embedding)
+    if settings.generation_config not in ("auto", "vllm"):
+        generation_defaults(settings.generation_config)  # a folder's file is read now: refused before serving
     keys = KeyRing.build(settings.api_keys, settings.admin_keys, settings.api_key_file, settings.admin_key_file,
                          settings.key_bindings)
     if keys.open and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without any API key: anyone who reaches it may use every target",
                        settings.host)
-    state = ServerState(settings=settings, keys=keys)
+    state = ServerState(settings=settings, keys=keys, fields=FieldPolicy(settings.strict_fields))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -203,12 +210,15 @@ def create_app(settings: ServeSettings | None = None, router: WeightRouter | Non
                 await asyncio.get_running_loop().run_in_executor(None, state.engine.stop,
                                                                  settings.shutdown_timeout_s)
 
-    app = FastAPI(title="fedmosaic", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="fedmosaic", version=package_version(), lifespan=lifespan)
     app.state.server = state
     errors.install(app)
     openapi.install(app, secured=not keys.open)
-    for module in (health, models, chat, completions, adapters, run_files):
+    for module in (health, models, chat, completions, adapters, run_files, tokens):
         app.include_router(module.router)
     app.include_router(health.metrics_router(settings.protect_metrics, keyed=not keys.open))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout=settings.body_timeout_s)
+    if settings.allowed_origins:  # outermost: a preflight is answered before any other layer reads it
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
     return app

@@ -16,6 +16,7 @@ from serving.access import KeyRing, Principal
 from serving.api.prometheus import Metrics
 from serving.engine import Engine
 from serving.errors import EngineNotReady
+from serving.openai.compat import FieldPolicy, SamplingDefaults
 from serving.pool import AdapterPool, RunInfo
 from serving.settings import ServeSettings
 from serving.stack import ServingStack
@@ -38,6 +39,8 @@ class ServerState:
     created: int = 0
     ready: bool = False
     load_error: str | None = None
+    fields: FieldPolicy = field(default_factory=FieldPolicy)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def runtime_lora(self) -> bool:

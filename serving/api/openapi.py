@@ -7,6 +7,7 @@ Routes declare ``responses={**json(), **errors(400, 401, ...)}`` with the status
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,6 +28,15 @@ WHY = {
     503: "the model is loading, the engine failed or shuts down, or no adapter slot is free",
     504: "the request outlived the server's deadline",
 }
+
+
+def package_version() -> str:
+    """The installed ``fedmosaic`` version (the OpenAPI document's, ``GET /version``'s); ``0+unknown`` in a
+    source tree used without installing it."""
+    try:
+        return metadata.version("fedmosaic")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,7 +37,7 @@ class Shape(Protocol):
 
     def body(self, answers: Sequence[Answer]) -> dict[str, Any]: ...
     def start(self, choice: Choice) -> dict[str, Any]: ...
-    def delta(self, choice: Choice, text: str) -> dict[str, Any]: ...
+    def delta(self, choice: Choice, text: str) -> dict[str, Any] | None: ...
     def end(self, answer: Answer) -> dict[str, Any]: ...
 
 
@@ -61,15 +61,18 @@ class Started:
 def limits(state: ServerState) -> Limits:
     """The server's request limits."""
     s = state.settings
-    return Limits(s.max_tokens_limit, s.default_max_tokens, s.max_choices)
+    return Limits(s.max_tokens_limit, s.default_max_tokens, s.max_choices, state.sampling_defaults)
 
 
 def check_access(state: ServerState, caller: Principal, body: SamplingFields) -> None:
-    """Refuse targets the caller's key is not bound to, as if they did not exist (404).
+    """Apply the unknown-field policy (:class:`~serving.openai.compat.FieldPolicy`), then refuse targets the
+    caller's key is not bound to, as if they did not exist (404).
 
     Raises:
+        InvalidRequest: an unknown field under ``--strict-fields``.
         ModelNotFound: ``model`` or an adapter of the mixture is outside the key's binding.
     """
+    state.fields.check(body)
     if not caller.allows(body.model, state.base_name):
         raise ModelNotFound(f"the model {body.model!r} does not exist")
     for name, _ in body.mixture() or ():
@@ -140,10 +143,13 @@ async def disconnected(receive: Receive) -> None:
 
 
 async def respond(state: ServerState, started: Started, shape: Shape, stream: bool,
-                  include_usage: bool = False, receive: Receive | None = None) -> Response:
+                  include_usage: bool = False, receive: Receive | None = None,
+                  select: Callable[[list[Answer]], list[Answer]] | None = None) -> Response:
     """The JSON response once every choice finished, or the SSE stream.
 
     Args:
+        select: keeps the answers the response shows (``best_of``: :func:`serving.openai.compat.best_of`);
+            every choice counts in the metrics.
         receive: the request's ASGI receive channel: when the client goes away before every choice
             finished, every choice is cancelled (its engine row freed at the next step) and nothing is
             answered, as the stream does.
@@ -165,7 +171,7 @@ async def respond(state: ServerState, started: Started, shape: Shape, stream: bo
     answers = [_answer(started, i, r) for i, r in enumerate(results.result())]
     for a in answers:
         record(state, started, a, shape.endpoint)
-    return JSONResponse(shape.body(answers))
+    return JSONResponse(shape.body(select(answers) if select is not None else answers))
 
 
 async def merged(started: Started) -> AsyncIterator[tuple[int, str | None]]:
@@ -201,7 +207,9 @@ def sse(state: ServerState, started: Started, shape: Shape, include_usage: bool)
                 yield f"data: {json.dumps(shape.start(choice))}\n\n"
             async for i, delta in merged(started):
                 if delta is not None:
-                    yield f"data: {json.dumps(shape.delta(started.choices[i], delta))}\n\n"
+                    event = shape.delta(started.choices[i], delta)  # None: held back for the last event
+                    if event is not None:
+                        yield f"data: {json.dumps(event)}\n\n"
                     continue
                 answer = _answer(started, i, await started.submitted[i].handle.aresult())
                 yield f"data: {json.dumps(shape.end(answer))}\n\n"

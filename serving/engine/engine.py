@@ -62,7 +62,7 @@ from serving.engine.route_states import RouteStates
 from serving.engine.scheduler import RowOutcome, Scheduler
 from serving.engine.sequence import Finished, SeqState, error_status, failed, result
 from serving.engine.sizing import sized_config
-from serving.errors import EngineNotReady, EngineOverloaded
+from serving.errors import EngineNotReady, EngineOverloaded, InvalidRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -378,7 +378,10 @@ class Engine:
         token, logprob = outcome
         if logprob is not None:
             seq.logprobs.append(logprob)
-        reason = self.lifecycle.advance(seq, token)
+        try:
+            reason = self.lifecycle.advance(seq, token)
+        except InvalidRequest as exc:  # a token its grammar refuses: this row only
+            return self._fail(seq, exc, finished)
         if reason is not None:
             self._end(seq, result(seq, reason), finished)
 

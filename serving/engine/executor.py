@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from adapters import AdaptedModel
+from serving.engine.grammar import apply_masks
 from serving.engine.kv import SlotKV
 from serving.engine.runner.graphs import DecodeGraphs
 from serving.engine.runner.hf import HFRunner
@@ -225,8 +226,9 @@ class Executor:
 
 def _sample(raw: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
             histories: Sequence[RowHistory]) -> list[tuple[int, TokenLogprob | None] | Exception]:
-    """Processors, sampling, and the raw distribution's log-probabilities of the chosen tokens."""
-    tokens = sample_batch(process(raw, params, histories), params, generators)
+    """Processors, grammar masks, sampling, and the raw distribution's log-probabilities of the chosen tokens."""
+    processed = apply_masks(process(raw, params, histories), [h.matcher for h in histories])
+    tokens = sample_batch(processed, params, generators)
     asked = [b for b, p in enumerate(params) if p.logprobs is not None]
     found = dict(zip(asked, token_logprobs(raw[asked], [tokens[b] for b in asked],
                                            [params[b].logprobs or 0 for b in asked]), strict=True)) if asked else {}

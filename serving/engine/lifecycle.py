@@ -97,7 +97,8 @@ class Lifecycle:
         timeout = self.config.request_timeout_s
         seq = SeqState(handle=RequestHandle(request), ids=ids, tracker=TextTracker(self.tokenizer, params.stop),
                        generator=generator, deadline=time.monotonic() + timeout if timeout else None,
-                       weights=tuple(request.adapter_weights), amole=route)
+                       weights=tuple(request.adapter_weights), amole=route,
+                       matcher=params.grammar.matcher() if params.grammar is not None else None)
         if route is not None:
             seq.info = route.info()
         if request.shared_prefix and request.prompt_ids is None and (request.prompt or "").startswith(
@@ -224,12 +225,19 @@ class Lifecycle:
         seq.prompt_logprobs += token_logprobs(logits[: len(nxt)], nxt, [k] * len(nxt))
 
     def advance(self, seq: SeqState, token: int) -> FinishReason | None:
-        """Record one generated token, stream its text, and say whether the sequence is finished."""
+        """Record one generated token, stream its text, and say whether the sequence is finished.
+
+        Raises:
+            InvalidRequest: the row's grammar does not allow ``token`` (the engine fails the row with it).
+        """
         params = seq.handle.request.sampling
         if seq.first_token_s is None:
             seq.first_token_s = time.monotonic() - seq.submitted
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         seq.output.append(token)
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        ended = seq.matcher is not None and seq.matcher.done  # the grammar took its end: no ignore_eos past it
+        if ended or (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.handle.push(seq.tracker.flush())
             return "stop"
         delta, stopped = seq.tracker.push(token)

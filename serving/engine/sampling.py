@@ -8,11 +8,12 @@ divides positive and multiplies negative logits of every token seen in the promp
 
 Temperatures below :data:`GREEDY_BELOW` are greedy (argmax, as HF ``generate(do_sample=False)`` and
 as vLLM treats tiny temperatures: dividing by 1e-45 overflows to inf and NaN probabilities).
-Otherwise logits are divided by the temperature, filtered by top-k then top-p (nucleus, Holtzman et
-al. 2020), and each sampled row draws its token with its own ``torch.Generator`` on the model's
-device (an exponential race over the probabilities, equivalent to a categorical draw), so a seed
-reproduces a completion on a given device whatever else shares the batch. The whole batch is
-sampled on the device and read back with one transfer per step. Stop strings are matched on
+Otherwise logits are divided by the temperature, filtered by min-p (a token less likely than ``min_p``
+times the most likely one is dropped; vLLM's order: after the temperature, before top-k), by top-k
+then top-p (nucleus, Holtzman et al. 2020), and each sampled row draws its token with its own
+``torch.Generator`` on the model's device (an exponential race over the probabilities, equivalent to
+a categorical draw), so a seed reproduces a completion on a given device whatever else shares the
+batch. The whole batch is sampled on the device and read back with one transfer per step. Stop strings are matched on
 decoded text by :class:`serving.engine.text.TextTracker`.
 
 Log-probabilities are those of the model's own distribution (``log_softmax`` of the raw logits,
@@ -25,9 +26,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from serving.engine.grammar import Grammar, GrammarMatcher
 
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -45,6 +50,8 @@ class SamplingParams:
         temperature: below 1e-5 is greedy; otherwise the softmax temperature.
         top_p: nucleus mass in (0, 1]; 1 keeps every token.
         top_k: keep the k most likely tokens; 0 keeps every token.
+        min_p: in [0, 1]; drop the tokens whose probability (after the temperature) is below ``min_p``
+            times the most likely token's; 0 keeps every token (vLLM).
         stop: up to 16 strings of at most 256 characters that end the completion; the first match
             and what follows are trimmed.
         seed: seeds the request's generator (a 64-bit integer); None draws a fresh seed.
@@ -59,12 +66,15 @@ class SamplingParams:
         logit_bias: (token id, bias in [-100, 100]) pairs added to the logits (OpenAI).
         min_tokens: end-of-sequence and ``stop_token_ids`` are impossible before this many tokens.
         stop_token_ids: token ids that end the completion (the token is kept in ``token_ids``).
+        grammar: the structure the output must follow (:mod:`serving.engine.grammar`); each row gets
+            its own matcher, and the completion ends when the grammar does.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
@@ -76,6 +86,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    grammar: Grammar | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -86,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.min_p, int | float) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if len(self.stop) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -145,11 +158,12 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class RowHistory:
-    """What the processors read about one row: its prompt, its output so far, its end tokens."""
+    """What the processors read about one row: its prompt, its output so far, its end tokens, its grammar's matcher."""
 
     prompt: Sequence[int]
     output: Sequence[int]
     eos: frozenset[int]
+    matcher: GrammarMatcher | None = None
 
 
 def needs_processing(params: SamplingParams, history: RowHistory) -> bool:
@@ -215,6 +229,16 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (B, V) logits whose probability is below ``min_p`` (B,) times their row's largest with -inf.
+
+    In log space: ``logit < max + log(min_p)`` (a 0 keeps the row whole); the most likely token always stays.
+    """
+    top = logits.max(dim=-1, keepdim=True).values  # (B, 1)
+    floor = top + torch.log(min_p.to(logits.dtype)).unsqueeze(1)  # (B, 1); log(0) = -inf keeps all
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None]) -> list[int]:
     """Pick the next token of every row of ``logits`` (B, V); one device-to-host read.
@@ -234,6 +258,8 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         index = torch.tensor(sampled, device=dev)
         temps = torch.tensor([params[b].temperature for b in sampled], device=dev).unsqueeze(1)
         rows = logits.index_select(0, index) / temps  # (S, V)
+        if any(params[b].min_p > 0 for b in sampled):
+            rows = min_p_filter(rows, torch.tensor([params[b].min_p for b in sampled], device=dev))
         if any(params[b].top_k > 0 or params[b].top_p < 1 for b in sampled):
             rows = filter_logits(rows, torch.tensor([params[b].top_k for b in sampled], device=dev),
                                  torch.tensor([params[b].top_p for b in sampled], device=dev))

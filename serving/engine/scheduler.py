@@ -172,7 +172,7 @@ class Scheduler:
         self._sample([s for s, _ in ok], [o.logits for _, o in ok], outcomes)
 
     def _sample(self, seqs: list[SeqState], logits: list[torch.Tensor], outcomes: RowOutcomes) -> None:
-        histories = [RowHistory(s.ids, s.output, self.lifecycle.eos_ids) for s in seqs]
+        histories = [RowHistory(s.ids, s.output, self.lifecycle.eos_ids, s.matcher) for s in seqs]
         picked = self.executor.sample(logits, [s.handle.request.sampling for s in seqs], [s.generator for s in seqs],
                                       histories)
         outcomes.extend(zip(seqs, picked, strict=True))

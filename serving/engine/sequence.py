@@ -19,6 +19,7 @@ import torch
 from adapters import AdapterError
 from routing.base import StoredRoutingError
 from serving.engine.amole import AMoLEClientRoute, usage_report
+from serving.engine.grammar import GrammarMatcher
 from serving.engine.request import FinishReason, GenerationResult, RequestHandle
 from serving.engine.runner.inputs import RowAdapters
 from serving.engine.sampling import TokenLogprob
@@ -56,6 +57,7 @@ class SeqState:
     submitted: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None  # seconds from submission to the first generated token
     public: int = 0  # leading prompt tokens of server template text (other tenants' cached KV may serve them)
+    matcher: GrammarMatcher | None = None  # the row's place in its request's grammar (serving.engine.grammar)
 
     @property
     def request_id(self) -> str:

@@ -8,17 +8,20 @@ functions: no FastAPI, no server state.
 A completions ``prompt`` may be a string, a list of strings, token ids or a list of token-id lists;
 each prompt yields ``n`` choices, indexed ``prompt * n + j`` (vLLM's order). With a ``seed``, choice
 ``j`` of a prompt samples with ``seed + j`` (vLLM's rule for ``n > 1``), so choices differ and a
-request is reproducible; without one every choice draws fresh entropy.
+request is reproducible; without one every choice draws fresh entropy. A completion's ``best_of``
+yields that many candidates per prompt instead, of which the response keeps ``n``
+(:func:`serving.openai.compat.best_of`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from serving.engine.request import GenerationResult
 from serving.engine.sampling import SEED_RANGE, SamplingParams
 from serving.errors import EngineNotReady, GenerationFailed, InvalidRequest, RequestTimedOut
+from serving.openai import chat_format, compat, structured
 from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 if TYPE_CHECKING:
@@ -32,12 +35,15 @@ class Limits:
     Attributes:
         max_tokens_limit: the largest ``max_tokens`` allowed.
         default_max_tokens: ``max_tokens`` when a request sets none (capped at the limit).
-        max_choices: choices one request may ask for (prompts x n).
+        max_choices: choices one request may ask for (prompts x n, or x best_of).
+        defaults: the model's sampling defaults for fields a request leaves unset (its generation config's
+            ``max_new_tokens`` stands in for ``default_max_tokens``).
     """
 
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
     max_choices: int = 64
+    defaults: compat.SamplingDefaults = compat.SamplingDefaults()
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,9 @@ class Choice:
         echo: text put before the completion (completions' ``echo``), else "".
         shared_prefix: the leading text of ``prompt`` that is the chat template's own (before the first
             message's content): the same for every caller, so other tenants' cached KV may serve it.
+        calls: the answer may hold tool calls (:mod:`serving.openai.structured`), returned as ``tool_calls``.
+        prompt_format: how a chat request's messages were rendered: ``chat_template``, or the trained
+            template of the target's run (:mod:`serving.openai.chat_format`); "" for completions.
     """
 
     index: int
@@ -62,10 +71,19 @@ class Choice:
     sampling: SamplingParams
     echo: str = ""
     shared_prefix: str = ""
+    prompt_format: str = ""
+    calls: bool = False
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """What ``apply_chat_template`` gets beside the messages: vLLM's ``add_generation_prompt`` (default
+    on), ``continue_final_message`` and the request's ``chat_template_kwargs``."""
+    return {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt is not False,
+            "continue_final_message": bool(body.continue_final_message)}
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> str:
-    """The chat-templated prompt of ``body`` (with the assistant turn opened).
+    """The chat-templated prompt of ``body`` (the assistant turn opened unless the request says otherwise).
 
     Raises:
         InvalidRequest: the tokenizer's chat template rejects the messages.
@@ -73,7 +91,7 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest)
     messages = [m.template_dict() for m in body.messages]
     try:
         return str(tokenizer.apply_chat_template(  # tokenize=False: the prompt text
-            messages, tokenize=False, add_generation_prompt=True))
+            messages, tokenize=False, **template_kwargs(body)))
     except Exception as exc:  # templates raise on unsupported role orders
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
@@ -90,7 +108,7 @@ def template_prefix(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequ
     messages[0] = {**messages[0], "content": marker}
     try:
         probe = str(tokenizer.apply_chat_template(  # tokenize=False: the prompt text
-            messages, tokenize=False, add_generation_prompt=True))
+            messages, tokenize=False, **template_kwargs(body)))
     except Exception:  # noqa: BLE001 - a template refusing the marker: nothing is shared
         return ""
     head = probe.split(marker, 1)[0] if marker in probe else ""
@@ -149,8 +167,8 @@ def sampling_params(body: SamplingFields, limits: Limits, seed: int | None = Non
     """
     asked = requested_max_tokens(body)
     explicit = bool(body.model_fields_set & {"max_tokens", "max_completion_tokens"})
-    if asked is None:
-        tokens = min(limits.default_max_tokens, limits.max_tokens_limit)
+    if asked is None:  # the model's generation config's max_new_tokens, else the server's default
+        tokens = min(limits.defaults.max_tokens or limits.default_max_tokens, limits.max_tokens_limit)
     elif not explicit:  # the wire default (completions: OpenAI's 16) yields to a lower server limit
         tokens = min(asked, limits.max_tokens_limit)
     else:
@@ -162,14 +180,18 @@ def sampling_params(body: SamplingFields, limits: Limits, seed: int | None = Non
     if min_tokens > tokens:
         raise InvalidRequest(f"min_tokens ({min_tokens}) exceeds max_tokens ({tokens})", param="min_tokens")
     logprobs, prompt_logprobs = logprob_counts(body)
+    if compat.picks_best(body) and logprobs is None:
+        logprobs = 0  # best_of ranks the candidates by their tokens' log-probabilities
+    pick = limits.defaults.pick
     bias = tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items()))
     try:
         return SamplingParams(
-            max_tokens=tokens, temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
-            top_k=max(body.top_k or 0, 0), stop=body.stop_strings(), seed=seed,
+            max_tokens=tokens, temperature=pick(body, "temperature", 1.0), top_p=pick(body, "top_p", 1.0),
+            top_k=max(int(pick(body, "top_k", 0)), 0), min_p=pick(body, "min_p", 0.0), stop=body.stop_strings(),
+            seed=seed,
             ignore_eos=bool(body.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
-            repetition_penalty=_or(body.repetition_penalty, 1.0), logit_bias=bias, min_tokens=min_tokens,
+            repetition_penalty=pick(body, "repetition_penalty", 1.0), logit_bias=bias, min_tokens=min_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()))
     except ValueError as exc:
         message = str(exc)
@@ -180,26 +202,39 @@ def _or(value: float | None, default: float) -> float:
     return default if value is None else float(value)
 
 
-def choices(body: SamplingFields, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> list[Choice]:
+def choices(body: SamplingFields, tokenizer: PreTrainedTokenizerBase, limits: Limits,
+            trained_style: str | None = None) -> list[Choice]:
     """Every engine request ``body`` asks for, in response order.
+
+    ``trained_style`` (:func:`serving.openai.chat_format.trained_style`) renders a chat request's messages
+    in the template its target's run trained with; None applies the tokenizer's chat template.
 
     Raises:
         InvalidRequest: too many choices, a limit exceeded, or a prompt the tokenizer refuses.
     """
-    n = body.n or 1
+    n = compat.candidates(body)  # n, or best_of candidates to pick n from (serving.openai.compat)
     prompts: list[str | list[int]]
-    shared = ""
-    if isinstance(body, ChatCompletionRequest):
+    shared = form = ""
+    structure = structured.Structure()
+    if isinstance(body, ChatCompletionRequest):  # response_format and tools: a grammar, tools in the prompt
+        structure = structured.plan(body, tokenizer)
+        body = structured.prompt_body(body, structure, trained_style is None and structured.native_tools(tokenizer))
+    if isinstance(body, ChatCompletionRequest) and trained_style is not None:
+        prompts = [chat_format.trained_prompt(body.messages, trained_style, bool(body.continue_final_message))]
+        form = trained_style
+        shared = chat_format.template_head(trained_style)
+    elif isinstance(body, ChatCompletionRequest):
         chat = chat_prompt(tokenizer, body)
-        prompts, shared = [chat], template_prefix(tokenizer, body, chat)
+        prompts, shared, form = [chat], template_prefix(tokenizer, body, chat), "chat_template"
     elif isinstance(body, CompletionRequest):
         prompts = body.prompts()
     else:
         raise TypeError(f"not a generation request: {type(body).__name__}")
     if len(prompts) * n > limits.max_choices:
-        raise InvalidRequest(f"{len(prompts)} prompt(s) x n = {n} asks for {len(prompts) * n} choices; this server "
-                             f"answers at most {limits.max_choices} per request", param="n")
-    first = sampling_params(body, limits, body.seed)  # validates once, before any prompt is tokenized
+        what = "best_of" if compat.picks_best(body) else "n"
+        raise InvalidRequest(f"{len(prompts)} prompt(s) x {what} = {n} asks for {len(prompts) * n} choices; this "
+                             f"server answers at most {limits.max_choices} per request", param=what)
+    first = structured.constrain(sampling_params(body, limits, body.seed), structure)  # validates once, first
     echo = isinstance(body, CompletionRequest) and bool(body.echo)
     out = []
     for p, prompt in enumerate(prompts):
@@ -208,8 +243,10 @@ def choices(body: SamplingFields, tokenizer: PreTrainedTokenizerBase, limits: Li
             ids = encode(tokenizer, text)  # echo's logprobs name every prompt token, the first one included
         shown = "" if not echo else text if text is not None else decode(tokenizer, ids or ())
         for j in range(n):
-            sampling = first if j == 0 else sampling_params(body, limits, child_seed(body.seed, j))
-            out.append(Choice(p * n + j, p, text if ids is None else None, ids, sampling, shown, shared))
+            sampling = first if j == 0 else structured.constrain(
+                sampling_params(body, limits, child_seed(body.seed, j)), structure)
+            out.append(Choice(p * n + j, p, text if ids is None else None, ids, sampling, shown, shared, form,
+                              calls=structure.calls))
     return out
 
 

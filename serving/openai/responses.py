@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from serving.engine.request import GenerationResult
 from serving.engine.sampling import TokenLogprob
 from serving.openai.builders import Choice, finish_reason
+from serving.openai.structured import parse_calls
 from serving.targets import TargetPlan
 
 if TYPE_CHECKING:
@@ -47,14 +48,17 @@ class Answer:
     result: GenerationResult
 
 
-def extension(plan: TargetPlan, result: GenerationResult | None, details: bool = True) -> dict[str, Any]:
-    """The ``fedmosaic`` response field: mode, weights used per adapter, routing info."""
+def extension(plan: TargetPlan, result: GenerationResult | None, details: bool = True,
+              prompt_format: str = "") -> dict[str, Any]:
+    """The ``fedmosaic`` response field: mode, weights used per adapter, routing info, and for chat the
+    ``prompt_format`` the messages were rendered in (:attr:`Choice.prompt_format`)."""
     # an AMoLE client decodes with its route, no plain adapters: its plan's weight (1 on the client) stands
     weights = result.adapter_weights if result is not None and plan.mode != "amole" else plan.weights
     info = dict(result.route_info) if result is not None and result.route_info else dict(plan.info or {})
     if plan.mode == "feddpa" and not details:
         info = {k: info[k] for k in PUBLIC_ROUTE_INFO if k in info}
-    return {"mode": plan.mode, "weights": dict(zip(plan.names, weights, strict=True)), "info": info}
+    out = {"mode": plan.mode, "weights": dict(zip(plan.names, weights, strict=True)), "info": info}
+    return {**out, "prompt_format": prompt_format} if prompt_format else out
 
 
 def usage(answers: Sequence[Answer]) -> dict[str, int]:
@@ -133,14 +137,26 @@ class ChatShape:
         several = len(answers) > 1
         choices = []
         for a in answers:
-            choice: dict[str, Any] = {"index": a.choice.index,
-                                      "message": {"role": "assistant", "content": a.result.text},
-                                      "logprobs": self._logprobs(a.result), "finish_reason": finish_reason(a.result)}
+            message, finish = self._message(a)
+            choice: dict[str, Any] = {"index": a.choice.index, "message": {"role": "assistant", **message},
+                                      "logprobs": self._logprobs(a.result), "finish_reason": finish}
             if several:
-                choice["fedmosaic"] = extension(a.plan, a.result, self.details)
+                choice["fedmosaic"] = extension(a.plan, a.result, self.details, a.choice.prompt_format)
             choices.append(choice)
+        first = answers[0]
         return {**self.head, "object": "chat.completion", "choices": choices, "usage": usage(answers),
-                "fedmosaic": extension(answers[0].plan, answers[0].result, self.details)}
+                "fedmosaic": extension(first.plan, first.result, self.details, first.choice.prompt_format)}
+
+    @staticmethod
+    def _message(answer: Answer) -> tuple[dict[str, Any], str]:
+        """The answer's ``content`` (and ``tool_calls`` when it called tools) and its finish reason."""
+        reason = finish_reason(answer.result)
+        if not answer.choice.calls:
+            return {"content": answer.result.text}, reason
+        content, calls = parse_calls(answer.result.text)
+        if not calls:
+            return {"content": content}, reason
+        return {"content": content, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
 
     def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -151,13 +167,22 @@ class ChatShape:
         """The first event of a choice (the assistant role)."""
         return self.chunk(choice.index, {"role": "assistant", "content": ""})
 
-    def delta(self, choice: Choice, text: str) -> dict[str, Any]:
-        return self.chunk(choice.index, {"content": text})
+    def delta(self, choice: Choice, text: str) -> dict[str, Any] | None:
+        """A text event; None for a choice that may call tools (it arrives whole in its last event)."""
+        return None if choice.calls else self.chunk(choice.index, {"content": text})
 
     def end(self, answer: Answer) -> dict[str, Any]:
-        """The last event of a choice: finish reason, its log-probabilities, its ``fedmosaic`` field."""
-        event = self.chunk(answer.choice.index, {}, finish_reason(answer.result), self._logprobs(answer.result))
-        event["fedmosaic"] = extension(answer.plan, answer.result, self.details)
+        """The last event of a choice: finish reason, its log-probabilities, its ``fedmosaic`` field; for a
+        choice that may call tools also its content and ``tool_calls`` (each with its ``index``)."""
+        delta: dict[str, Any] = {}
+        finish = finish_reason(answer.result)
+        if answer.choice.calls:
+            message, finish = self._message(answer)
+            delta = {k: v for k, v in message.items() if v is not None}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+        event = self.chunk(answer.choice.index, delta, finish, self._logprobs(answer.result))
+        event["fedmosaic"] = extension(answer.plan, answer.result, self.details, answer.choice.prompt_format)
         return event
 
 

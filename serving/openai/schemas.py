@@ -1,11 +1,16 @@
 """Wire models mirroring the OpenAI API (requests validated here, responses built from these).
 
-Every field a request may carry is declared; anything else is refused with a 400 that names it
-(``extra="forbid"``), never ignored. OpenAI fields this server does not implement are declared with
-the only values that mean "not used" (``tools: []``, ``response_format: {"type": "text"}``...): any
-other value is refused by name. docs/serving.md's parameter table lists them all. Sampling parameters
-beyond OpenAI's follow vLLM (``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``). A ``null`` stands for the field's default, as OpenAI reads it.
+Every field a request may carry is declared. A chat or completion body (and a chat message) may carry
+others: they are ignored with one warning per field name, as vLLM does, or refused by name with
+``--strict-fields`` (:mod:`serving.openai.compat`); the other bodies refuse them (``extra="forbid"``).
+OpenAI fields this server does not implement are declared with
+the only values that mean "not used" (``functions: []``, ``audio: null``...): any
+other value is refused by name. ``response_format`` and ``tools`` are served by grammar-constrained
+decoding (:mod:`serving.openai.structured`). docs/serving.md's parameter table lists them all. Sampling parameters
+beyond OpenAI's follow vLLM (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``best_of``, ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message``); unset sampling fields take the model's ``generation_config.json`` values
+(:mod:`serving.openai.compat`). A ``null`` stands for the field's default, as OpenAI reads it.
 
 Extension fields:
 
@@ -26,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from serving.engine.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS
+from serving.openai.tool_schemas import NamedToolChoice, ResponseFormat, Tool, ToolCall
 
 
 def _unsupported(what: str) -> PydanticCustomError:
@@ -42,6 +48,13 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class Tolerant(Strict):
+    """A chat or completion body: fields no schema declares are kept aside (``model_extra``) for
+    :class:`serving.openai.compat.FieldPolicy` to ignore with a warning or refuse."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
 class AdapterWeight(Strict):
     """One adapter of an explicit mixture."""
 
@@ -53,7 +66,7 @@ class StreamOptions(Strict):
     include_usage: bool | None = False
 
 
-class SamplingFields(Strict):
+class SamplingFields(Tolerant):
     """Fields shared by chat and completion requests (``None`` means the default)."""
 
     model: str = Field(min_length=1)
@@ -71,6 +84,8 @@ class SamplingFields(Strict):
     user: str | None = Field(None, description="an end-user identifier; no effect on the output")
     # vLLM's extensions
     top_k: int | None = Field(0, ge=-1, description="vLLM: keep the k most likely tokens (0 or -1: all)")
+    min_p: float | None = Field(0.0, ge=0, le=1, allow_inf_nan=False,
+                                description="vLLM: drop tokens less likely than min_p x the most likely one")
     repetition_penalty: float | None = Field(1.0, gt=0, le=100, allow_inf_nan=False, description="vLLM / HF")
     min_tokens: int | None = Field(0, ge=0, description="vLLM: no end of sequence before this many tokens")
     ignore_eos: bool | None = Field(False, description="vLLM: decode past the end-of-sequence token")
@@ -123,24 +138,24 @@ class ContentPart(Strict):
         return value
 
 
-class ChatMessage(Strict):
+class ChatMessage(Tolerant):
     """One message; the fields of earlier assistant turns that OpenAI clients send back are accepted empty."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, description="passed to the chat template")
     tool_call_id: str | None = Field(None, description="passed to the chat template")
-    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=0)
+    tool_calls: list[ToolCall] | None = Field(None, description="an earlier assistant turn's calls")
     function_call: None = None
     refusal: None = None
     audio: None = None
     annotations: list[dict[str, Any]] | None = Field(None, max_length=0)
 
-    @field_validator("tool_calls", "annotations", "function_call", "refusal", "audio", mode="before")
+    @field_validator("annotations", "function_call", "refusal", "audio", mode="before")
     @classmethod
     def _empty(cls, value: Any) -> Any:
         if value not in (None, []):
-            raise _unsupported("send null (tools, audio and annotations are not implemented)")
+            raise _unsupported("send null (audio, annotations and legacy function calls are not implemented)")
         return value
 
     def text(self) -> str:
@@ -149,26 +164,33 @@ class ChatMessage(Strict):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
-    def template_dict(self) -> dict[str, str]:
-        """What the chat template reads: role, content, and name / tool_call_id when given."""
-        out = {"role": self.role, "content": self.text()}
+    def template_dict(self) -> dict[str, Any]:
+        """What the chat template reads: role, content, and name / tool_call_id / tool_calls when given
+        (tool calls as Hugging Face templates read them: arguments as an object)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.parsed()}} for c in self.tool_calls]
         return out
 
 
-class ResponseFormatText(Strict):
-    type: Literal["text"]
+# arguments of apply_chat_template the server sets itself: chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                      "continue_final_message", "chat_template", "tools", "documents",
+                                      "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+                                      "truncation", "max_length", "tokenizer_kwargs"})
 
 
 # OpenAI chat fields accepted only with the value that means "not used"
 _CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     "web_search_options": (None,), "store": (None, False), "modalities": (None, ["text"]),
-    "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"),
+    "service_tier": (None, "auto", "default"),
 }
 
 
@@ -177,15 +199,24 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # accepted, no effect on the output
+    # vLLM's chat template controls (where the model's chat template renders the messages)
+    add_generation_prompt: bool | None = Field(True, description="vLLM: open the assistant's turn after the "
+                                               "messages")
+    continue_final_message: bool | None = Field(False, description="vLLM: continue the final (assistant) message "
+                                                "instead of opening a new turn; needs add_generation_prompt: false")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM: extra variables passed to the chat "
+                                                        "template (e.g. enable_thinking)")
+    # structured output and tools (serving.openai.structured)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # accepted, no effect on the output
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # OpenAI features this server does not implement: only their "not used" values
-    tools: list[dict[str, Any]] | None = Field(None, max_length=0)
     functions: list[dict[str, Any]] | None = Field(None, max_length=0)
-    tool_choice: Literal["none"] | None = None
     function_call: Literal["none"] | None = None
     audio: None = None
     prediction: None = None
@@ -194,7 +225,6 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: None = None
     store: Literal[False] | None = None
     modalities: list[Literal["text"]] | None = None
-    response_format: ResponseFormatText | None = None
     service_tier: Literal["auto", "default"] | None = None
 
     @field_validator(*_CHAT_NEUTRAL, mode="before")
@@ -212,6 +242,22 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return value
 
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, value: bool | None, info: Any) -> bool | None:
+        if value and info.data.get("add_generation_prompt") is not False:
+            raise ValueError("continue_final_message: true needs add_generation_prompt: false (vLLM's rule)")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {taken} (the server's own arguments; "
+                             "add_generation_prompt and continue_final_message are request fields)")
+        return value
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
@@ -219,7 +265,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=128, description="vLLM: sample this many per prompt, answer the "
+                                "n with the highest cumulative log-probability (not with stream)")
     suffix: str | None = Field(None, max_length=0)
 
     @field_validator("prompt", mode="before")
@@ -236,11 +283,22 @@ class CompletionRequest(SamplingFields):
         raise ValueError("prompt takes a string, a non-empty list of strings, a list of token ids (integers >= 0) "
                          "or a non-empty list of such lists")
 
-    @field_validator("best_of", "suffix", mode="before")
+    @field_validator("suffix", mode="before")
     @classmethod
-    def _neutral(cls, value: Any, info: Any) -> Any:
-        if value not in (None, 1, ""):
-            raise _unsupported("send null" + (" or 1" if info.field_name == "best_of" else ""))
+    def _neutral(cls, value: Any) -> Any:
+        if value not in (None, ""):
+            raise _unsupported("send null")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None, info: Any) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value < n:
+            raise ValueError(f"best_of ({value}) must be at least n ({n})")
+        if value is not None and value > n and info.data.get("stream"):
+            raise _unsupported("best_of above n with stream: true (the best are known only at the end); "
+                               "leave best_of out or equal to n when streaming")
         return value
 
     def prompts(self) -> list[str | list[int]]:

@@ -21,6 +21,8 @@ from serving.pool.amole import client_names
 from serving.pool.amole_run import register_amole
 from serving.pool.views import RunPool
 
+PROMPT_STYLES = ("alpaca_short", "chat")  # training.data.prompts.PromptStyle; serving/openai/chat_format.py
+
 
 @dataclass(frozen=True)
 class ClientFiles:
@@ -44,6 +46,7 @@ class RunInfo:
     clients: dict[str, ClientFiles] = field(default_factory=dict)
     amole: str | None = None  # the pool name of the run's AMoLE model (FedAMoLE runs)
     amole_own: tuple[str, ...] = ()  # clients served by their own AMoLE model (``<client>:amole``)
+    prompt_style: str = "alpaca_short"  # run.json ``train.prompt_style``: the template chat requests are rendered in
 
 
 def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) -> RunInfo:
@@ -63,6 +66,11 @@ def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) ->
         config = run.read_config()
     except AdapterError as exc:
         raise AdapterLoadFailed(str(exc)) from exc
+    train = config.get("train")
+    style = train.get("prompt_style", "alpaca_short") if isinstance(train, dict) else "alpaca_short"  # older runs
+    if style not in PROMPT_STYLES:
+        raise AdapterLoadFailed(f"{run.run_json}: train.prompt_style {style!r} is not a prompt format this server "
+                                f"renders ({', '.join(PROMPT_STYLES)})")
     global_name = amole = None
     if run.global_adapter.is_dir():
         pool.load("global", run.global_adapter, pinned=pin_global, replace=True)
@@ -88,4 +96,4 @@ def register_run(pool: RunPool, run_dir: str | Path, pin_global: bool = True) ->
     weight = config.get("inference_weight")
     return RunInfo(root=run.root, method=str(config.get("method", "")), base_model=str(config.get("model", "")),
                    inference_weight=float(weight) if isinstance(weight, int | float) else None,
-                   global_name=global_name, clients=clients, amole=amole, amole_own=own)
+                   global_name=global_name, clients=clients, amole=amole, amole_own=own, prompt_style=style)

@@ -25,7 +25,7 @@ def test_every_benchmark_file_is_a_module_here() -> None:
     root = Path(bench.__file__).parent
     files = {".".join(("bench", *p.relative_to(root).with_suffix("").parts)) for p in root.rglob("*.py")}
     assert {f for f in files if not f.endswith("__init__")} == set(MODULES)
-    assert {m.split(".")[1] for m in MODULES} == {"serving", "training"}
+    assert {m.split(".")[1] for m in MODULES} == {"app", "serving", "training"}
 
 
 @pytest.mark.parametrize("name", MODULES)

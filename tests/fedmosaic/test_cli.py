@@ -14,7 +14,7 @@ from fedmosaic.cli import build_parser, main
 
 # Arguments each plugin's parser requires (parsing only: nothing runs).
 REQUIRED = {"train": ["--method", "fedit", "--out", "x"], "eval": ["x"], "batch": ["-i", "a", "-o", "b"],
-            "data": ["list"], "calibrate": ["x"]}
+            "data": ["list"], "calibrate": ["x"], "export": ["x", "--client", "c", "--out", "o"]}
 
 
 def test_cli_models_tiny_and_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

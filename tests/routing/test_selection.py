@@ -98,8 +98,8 @@ def test_calibrate_run_chooses_from_training_prompts_and_never_reads_a_test_exam
         def __getattribute__(self, name: str):  # noqa: ANN204 - any use of the test sets fails the test
             raise AssertionError(f"the calibration read the test sets ({name})")
 
-    def no_tests(cfg: dict):  # noqa: ANN202
-        return dataclasses.replace(load_run_dataset(cfg), tests=Untouchable())
+    def no_tests(cfg: dict, **kwargs: object):  # noqa: ANN202
+        return dataclasses.replace(load_run_dataset(cfg, **kwargs), tests=Untouchable())
 
     seen: list[np.ndarray] = []
     real = calibration.select_constants

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from fedmosaic.cli import main
 from routing.feddpa_options import FedDPAOptions
 from serving.batch import BatchConfig, parse_line, run_batch
 from serving.engine import EngineConfig
+from serving.openai.chat_format import trained_style
 from serving.settings import ServeSettings
 from serving.stack import Job, JobOutcome, ServingStack, StackConfig, build_stack
 from tests.serving.helpers import ready_client, write_feddpa_run
@@ -76,7 +78,7 @@ def test_batch_file_in_openai_format(stack: ServingStack, run_dir: Path, tmp_pat
     executor = Counting(stack)
     out = tmp_path / "out.jsonl"
     summary = run_batch(executor, stack.loaded.tokenizer, write_input(tmp_path / "in.jsonl"), out,
-                        BatchConfig(max_tokens_limit=64), progress=False)
+                        BatchConfig(max_tokens_limit=64), progress=False, styles=partial(trained_style, stack))
     rows = read(out)
     ids = [r["custom_id"] for r in rows]
     assert ids == ["chat-0", "cmpl-1", "line-3", "line-4", "line-5", "bad-url", "bad-temp", "no-model", "chat-0",
@@ -96,6 +98,7 @@ def test_batch_file_in_openai_format(stack: ServingStack, run_dir: Path, tmp_pat
     chat = rows[0]["response"]["body"]
     assert chat["object"] == "chat.completion" and chat["model"] == "0"
     assert chat["fedmosaic"]["weights"] == {"global": 0.75, "0:local": 0.25}
+    assert chat["fedmosaic"]["prompt_format"] == "alpaca_short"  # the run's target: its trained template
     assert chat["usage"]["total_tokens"] == chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"]
     cmpl = rows[1]["response"]["body"]
     assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["text"].startswith("Capital of Peru")

@@ -68,9 +68,11 @@ def test_router_weights_reach_the_decode(tiny: LoadedModel, tmp_path: Path) -> N
     assert fixed.weight_fn is None and fixed.weights == (0.8, 0.2)
 
 
-def test_serve_arguments(tmp_path: Path) -> None:
+def test_serve_arguments(tiny: LoadedModel, tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "run.json").write_text("{}")
+    for name in ("a", "b"):  # adapter sources are checked before anything loads
+        write_adapter(tiny, tmp_path / name, seed=1)
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser.add_subparsers())
     args = parser.parse_args(["serve", str(tmp_path / "run"), f"x={tmp_path}/a", str(tmp_path / "b"), "--model",

@@ -92,12 +92,14 @@ def test_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(DataError, match="must hold a JSON list"):
         load_folder(tmp_path / "d")
     monkeypatch.setenv("FEDMOSAIC_DATA_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # an empty data cache
     assert data_dir() == tmp_path / "nowhere"
-    with pytest.raises(DataError, match="does not exist; set FEDMOSAIC_DATA_DIR to the folder holding feddpa/"):
+    with pytest.raises(DataError, match=r"'feddpa1' is not in .*nowhere/feddpa/dataset1 nor .*cache/fedmosaic/data/"
+                                        r"feddpa/dataset1: run `fedmosaic data fetch feddpa1`"):
         load_dataset("feddpa1")
-    monkeypatch.delenv("FEDMOSAIC_DATA_DIR")  # no default folder: the error says how to set one
+    monkeypatch.delenv("FEDMOSAIC_DATA_DIR")  # only the data cache is looked in: the error says how to fill it
     assert data_dir() is None
-    with pytest.raises(DataError, match=r"needs FEDMOSAIC_DATA_DIR, which is not set: .*export FEDMOSAIC_DATA_DIR="):
+    with pytest.raises(DataError, match=r"fedmosaic data fetch feddpa1.*or set FEDMOSAIC_DATA_DIR"):
         load_dataset("feddpa1")
 
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from training.algorithms.fedit import FedAvgClient, FedAvgStrategy
+from training.algorithms.fedit import FEDAVG_OPTIONS, FedAvgClient, FedAvgStrategy
 from training.federation.aggregate import Weighting
 from training.federation.robust import RobustConfig
 from training.local.regime import FEDDPA_REGIME
+from training.options import Option
 from training.protocol import FitRes, Method
 from training.state import StateDict
 
@@ -65,4 +66,7 @@ def _strategy(o: Mapping[str, Any]) -> FedAvgMStrategy:
 
 
 FEDAVGM = Method(name="fedavgm", strategy=_strategy, client=lambda o: FedAvgClient(mu=0.0), regime=FEDDPA_REGIME,
-                 defaults={"weighting": "equal", "momentum": 0.9, "server_lr": 1.0})
+                 options=(Option("momentum", float, 0.9, "server momentum on the averaged update", low=0, high=1,
+                                 open_high=True),
+                          Option("server_lr", float, 1.0, "server learning rate on the update", low=0, open_low=True),
+                          *FEDAVG_OPTIONS))

@@ -7,7 +7,8 @@ at the client's first round and is its private state afterwards. The client then
 adapter alone from the received global and uploads only that; the server averages with equal weights.
 (Both phases start from the received global, so their order does not matter.) ``local_from=1`` is the
 reference code's reading: round 0 trains only the global (FedIT) and the local adapter starts at
-round 1. alpha = 0.5 on dataset 1 and 0.3 on dataset 2 (``--data feddpa2`` sets it, paper 000 s5.1);
+round 1. alpha = 0.5 on dataset 1 and 0.3 on dataset 2 (paper 000 s5.1: ``--data feddpa2`` sets it, as does
+a folder holding dataset 2's files, :func:`training.data.data_key`);
 at inference lambda = alpha.
 
 ``mu > 0`` runs either variant inside FedProx (paper 000 Table 8: FedDPA's local adapters on top of a
@@ -19,9 +20,10 @@ client's data (the author's recipe, docs/methods.md 2.7); inference lambda = 1.
 
 from __future__ import annotations
 
-from training.algorithms.fedit import FedAvgClient, FedAvgStrategy, train_global
+from training.algorithms.fedit import FEDAVG_OPTIONS, FedAvgClient, FedAvgStrategy, mu_option, train_global
 from training.algorithms.local import FineTuneClient, fresh_local, train_local
 from training.local.regime import FEDDPA_REGIME
+from training.options import Option
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method
 
 
@@ -51,11 +53,18 @@ FEDDPA_T = Method(
     client=lambda o: FedDPATClient(alpha=float(o.get("alpha", 0.5)), mu=float(o.get("mu", 0.0)),
                                    local_from=int(o.get("local_from", 0))),
     has_local=True, instance_weighting=True,
-    inference_weight=0.5, defaults={"alpha": 0.5, "weighting": "equal", "mu": 0.0, "local_from": 0},
+    inference_weight=0.5, options=(
+        Option("alpha", float, 0.5, "the local adapter's weight in training and at inference (lambda)", low=0, high=1),
+        mu_option(0.0),
+        Option("local_from", int, 0, "first round that trains the local adapter (1: the reference code)",
+               choices=(0, 1)),
+        *FEDAVG_OPTIONS),
     inference_option="alpha", data_defaults={"feddpa2": {"alpha": 0.3}},
 )
 FEDDPA_F = Method(
     name="feddpa-f", strategy=FedAvgStrategy.from_options, regime=FEDDPA_REGIME,
     client=lambda o: FineTuneClient(mu=float(o.get("mu", 0.0))), has_local=True, instance_weighting=True,
-    inference_weight=1.0, defaults={"lambda": 1.0, "weighting": "equal", "mu": 0.0}, inference_option="lambda",
+    inference_weight=1.0, inference_option="lambda",
+    options=(Option("lambda", float, 1.0, "the local adapter's weight at inference", low=0, high=1), mu_option(0.0),
+             *FEDAVG_OPTIONS),
 )

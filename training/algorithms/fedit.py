@@ -12,15 +12,18 @@ theta_g||^2`` to the client loss; ``mu = 0`` is FedIT exactly.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Self, cast
 
 import torch
 
 from training.federation.aggregate import Weighting, aggregate_results
+from training.federation.robust import OPTIONS as ROBUST_OPTIONS
 from training.federation.robust import RobustConfig, robust_aggregate
 from training.local.regime import BASELINE_REGIME, FEDDPA_REGIME
 from training.local.runtime import Runtime
 from training.local.train import LossFn, length_grouped, lm_loss, train_adapters
+from training.options import Option
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy
 from training.state import StateDict, derive_seed
 
@@ -107,10 +110,21 @@ class FedAvgClient(ClientAlgorithm):
         return FitRes(ctx.client_id, state, len(ctx.data.train), metrics)
 
 
+WEIGHTING = Option("weighting", str, "equal", "client weights in the average", choices=("equal", "num_examples"))
+# the options FedAvgStrategy.from_options reads: every method whose server half it builds declares them
+FEDAVG_OPTIONS = (WEIGHTING, *ROBUST_OPTIONS)
+
+
+def mu_option(default: float) -> Option:
+    """FedProx's proximal weight ``mu`` (0: plain FedAvg local training)."""
+    return Option("mu", float, default, "FedProx proximal term weight toward the received global", low=0)
+
+
 FEDIT = Method(name="fedit", strategy=FedAvgStrategy.from_options, client=lambda o: FedAvgClient(mu=0.0),
-               regime=FEDDPA_REGIME, defaults={"weighting": "equal"})
+               regime=FEDDPA_REGIME, options=FEDAVG_OPTIONS)
 FEDPROX = Method(name="fedprox", strategy=FedAvgStrategy.from_options,
                  client=lambda o: FedAvgClient(mu=float(o.get("mu", 0.01))), regime=FEDDPA_REGIME,
-                 defaults={"weighting": "equal", "mu": 0.01})
+                 options=(WEIGHTING, mu_option(0.01), *ROBUST_OPTIONS))
 CENTRALIZED = Method(name="centralized", strategy=FedAvgStrategy.from_options, client=lambda o: FedAvgClient(mu=0.0),
-                     centralized=True, regime=BASELINE_REGIME)
+                     centralized=True, regime=BASELINE_REGIME,
+                     options=(replace(WEIGHTING, listed=False), *ROBUST_OPTIONS))

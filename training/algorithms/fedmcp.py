@@ -28,11 +28,13 @@ from training.algorithms.local import fresh_local
 from training.algorithms.terms.batch_terms import SplitTerm, eval_mode, micro_share, split_term
 from training.algorithms.terms.cka import linear_cka, unbiased_linear_cka
 from training.algorithms.terms.features import mean_pool
+from training.federation.robust import OPTIONS as ROBUST_OPTIONS
 from training.local.lm_forward import lm_forward
 from training.local.packing import padded_states
 from training.local.regime import Regime
 from training.local.runtime import Runtime
 from training.local.train import train_adapters
+from training.options import Option
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method
 from training.state import derive_seed
 
@@ -161,6 +163,14 @@ FEDMCP = Method(
                                   similarity=str(o.get("similarity", "cka")),
                                   contrast_y=str(o.get("contrast_y", "private")), cka=str(o.get("cka", "unbiased"))),
     has_local=True, inference_weight=0.5,
-    defaults={"gamma": 0.5, "mu": 0.05, "similarity": "cka", "contrast_y": "private", "cka": "unbiased"},
+    options=(  # no weighting: the paper averages uniformly (fixed in the strategy above)
+        Option("gamma", float, 0.5, "weight of the global-alone LM loss L_b (L_a gets 1 - gamma)", low=0, high=1),
+        Option("mu", float, 0.05, "weight of the CKA contrast term L_c", low=0),
+        Option("similarity", str, "cka", "the representation similarity", choices=("cka", "cosine")),
+        Option("contrast_y", str, "private", "Y of the contrast: the private adapter's states or the full model's",
+               choices=("private", "full")),
+        Option("cka", str, "unbiased", "the CKA estimator (biased: the paper's formula)",
+               choices=("unbiased", "biased")),
+        *ROBUST_OPTIONS),
     regime=REGIME,
 )

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from training.algorithms.fedit import FedAvgStrategy, train_global
+from training.algorithms.fedit import FEDAVG_OPTIONS, FedAvgStrategy, train_global
 from training.algorithms.local import fresh_local
 from training.algorithms.terms.batch_terms import SplitTerm, eval_mode, micro_share, split_term
 from training.algorithms.terms.features import feature_distance, last_token
@@ -29,6 +29,7 @@ from training.local.packing import padded_states
 from training.local.regime import Regime
 from training.local.runtime import Runtime
 from training.local.train import train_adapters
+from training.options import Option
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method
 from training.state import derive_seed
 
@@ -132,6 +133,11 @@ FEDOA = Method(
     client=lambda o: FedOAClient(lam=float(o.get("lambda", 0.5)), distance=str(o.get("distance", "l2")),
                                  local_from=int(o.get("local_from", 0)), norm_batch=int(o.get("norm_batch", 32))),
     has_local=True, inference_weight=1.0,
-    defaults={"lambda": 0.5, "distance": "l2", "weighting": "equal", "local_from": 0, "norm_batch": 32},
+    options=(
+        Option("lambda", float, 0.5, "weight of the orthogonality term between the adapters' features", low=0),
+        Option("distance", str, "l2", "the feature distance", choices=("l2", "cosine", "pearson")),
+        Option("local_from", int, 0, "first round that trains the local adapter", choices=(0, 1)),
+        Option("norm_batch", int, 32, "rows the l2 distance is normalised to (0: no normalisation)", low=0),
+        *FEDAVG_OPTIONS),
     regime=REGIME,
 )

@@ -8,7 +8,7 @@ model. FedDPA-F (paper 000, section 4.2) trains exactly like FedLoRA and differs
 
 from __future__ import annotations
 
-from training.algorithms.fedit import FedAvgClient, FedAvgStrategy
+from training.algorithms.fedit import FEDAVG_OPTIONS, FedAvgClient, FedAvgStrategy
 from training.local.regime import BASELINE_REGIME, FEDDPA_REGIME
 from training.local.runtime import Runtime
 from training.local.train import train_adapters
@@ -63,4 +63,4 @@ class FineTuneClient(FedAvgClient):
 LOCAL = Method(name="local", strategy=lambda o: NoServer(), client=lambda o: LocalClient(),
                has_local=True, inference_weight=1.0, regime=BASELINE_REGIME)
 FEDLORA = Method(name="fedlora", strategy=FedAvgStrategy.from_options, client=lambda o: FineTuneClient(),
-                 regime=FEDDPA_REGIME, has_local=True, inference_weight=1.0, defaults={"weighting": "equal"})
+                 regime=FEDDPA_REGIME, has_local=True, inference_weight=1.0, options=FEDAVG_OPTIONS)

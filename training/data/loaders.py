@@ -1,5 +1,8 @@
 """Loaders: the FedDPA format, the Dolly split, a generic per-client folder, and one dispatcher.
 
+The dispatcher (:func:`load_dataset`) also hands tables (CSV, TSV, JSON/JSONL, Parquet, ``save_to_disk``, a
+cached Hub data set; :mod:`training.data.tables`) and ``--partition`` (:mod:`training.data.partitioners`) on.
+
 FedDPA format (paper 000, appendix A.1; also the Dolly split): ``<dataset>/8/local_training_<i>.json``
 (a JSON list per client) and one ``*test*.jsonl`` with every task's test examples (a ``task`` field,
 or ``category`` for Dolly). Generic folder, for your own data::
@@ -17,7 +20,6 @@ counted (Dolly has near-duplicates).
 from __future__ import annotations
 
 import json
-import os
 import re
 import warnings
 from collections import Counter
@@ -25,20 +27,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from training.data.benchmarks import BENCHMARKS, benchmark_roots, identify
 from training.data.records import ClientData, DataError, FederatedDataset, Record, count_duplicates
 
-BENCHMARKS = {"feddpa1": ("feddpa", "dataset1"), "feddpa2": ("feddpa", "dataset2"), "dolly": ("dolly_fed8", "dataset1")}
-# How a user points the loaders at the benchmark data (``make`` sets it when the data sits beside the checkout).
-DATA_DIR_HELP = "set FEDMOSAIC_DATA_DIR to the folder holding feddpa/ and dolly_fed8/ (export FEDMOSAIC_DATA_DIR=DIR)"
-
-
-def data_dir() -> Path | None:
-    """The benchmark data folder: ``FEDMOSAIC_DATA_DIR``, or None when it is not set.
-
-    Read when asked (not at import), so a test can set the variable and see it.
-    """
-    env = os.environ.get("FEDMOSAIC_DATA_DIR")
-    return Path(env).expanduser() if env else None
+# How a user gets the benchmark data (``fedmosaic data fetch`` writes the user's data cache).
+DATA_DIR_HELP = ("run `fedmosaic data fetch NAME` (into ~/.cache/fedmosaic/data), or set FEDMOSAIC_DATA_DIR to the "
+                 "folder holding feddpa/ and dolly_fed8/ (export FEDMOSAIC_DATA_DIR=DIR)")
+# The options that make clients from pooled rows (``--columns``, ``--partition``; :func:`load_dataset`).
+TABLE_OPTIONS = ("columns", "partition", "by", "clients", "partition_seed", "split")
 
 
 def _record(raw: Any, where: str, default_task: str = "", require_output: bool = True) -> Record:
@@ -162,14 +158,19 @@ def load_dataset(spec: str, folder: Path | None = None, **options: Any) -> Feder
     """Load a data set by name or path.
 
     Args:
-        spec: ``feddpa1``, ``feddpa2``, ``dolly`` (benchmark data under ``FEDMOSAIC_DATA_DIR``),
-            ``generated`` (the project's own task suite; ``options`` go to ``generate_suite``), or
-            a folder in the FedDPA or the generic layout.
-        folder: the benchmark data folder (default: :func:`data_dir`, ``FEDMOSAIC_DATA_DIR``).
+        spec: ``feddpa1``, ``feddpa2``, ``dolly`` (benchmark data in ``FEDMOSAIC_DATA_DIR`` or the data cache
+            ``fedmosaic data fetch`` fills), ``generated`` (the project's own task suite; ``options`` go to
+            ``generate_suite``), a folder in the FedDPA or the generic layout, or a table
+            (:mod:`training.data.tables`: a CSV, TSV, JSON, JSONL or Parquet file or folder, a ``save_to_disk``
+            folder, a Hub id in the local Hugging Face cache).
+        folder: the benchmark data folder (default: ``FEDMOSAIC_DATA_DIR``, then the data cache).
         **options: the loader's options; ``leave_out`` (a task, a comma-separated list or a list) drops the
             clients of those tasks and keeps their test sets: FedOA's leave-one-task-out (paper 001 s5.1);
             ``hold_out`` (a share in (0, 0.5]) moves that share of each client's examples to its validation
-            set (``partition.hold_out``, seeded by ``hold_out_seed``, default 0).
+            set (``partition.hold_out``, seeded by ``hold_out_seed``, default 0); ``columns`` maps a table's
+            columns to roles; ``partition`` (with ``by``, ``clients``, ``partition_seed``) pools the rows
+            and splits them (:mod:`training.data.partitioners`); ``split`` (client -> row numbers, a run's
+            ``split.json``) rebuilds the clients a partition made.
     """
     share = options.pop("hold_out", None)
     split_seed = options.pop("hold_out_seed", 0)
@@ -183,36 +184,67 @@ def load_dataset(spec: str, folder: Path | None = None, **options: Any) -> Feder
 
         tasks = held.split(",") if isinstance(held, str) else list(held)
         return leave_out(load_dataset(spec, folder, **options), [t for t in tasks if t])
+    table_options = {k: options.pop(k) for k in TABLE_OPTIONS if options.get(k) is not None}
     if spec in BENCHMARKS:
-        base = folder or data_dir()
-        if base is None:
-            raise DataError(f"benchmark data {spec!r} needs FEDMOSAIC_DATA_DIR, which is not set: {DATA_DIR_HELP}")
-        group, dataset = BENCHMARKS[spec]
-        root = Path(base) / group / dataset
-        if not root.is_dir():
-            raise DataError(f"{root} does not exist; {DATA_DIR_HELP}")
-        return load_feddpa_format(root, name=spec)
-    if spec == "generated":
+        roots = [Path(folder) / BENCHMARKS[spec].folder] if folder is not None else benchmark_roots(spec)
+        root = next((r for r in roots if r.is_dir()), None)
+        if root is None:
+            raise DataError(f"benchmark data {spec!r} is not in {' nor '.join(map(str, roots))}: "
+                            + DATA_DIR_HELP.replace("NAME", spec))
+        dataset: FederatedDataset | None = load_feddpa_format(root, name=spec)
+    elif spec == "generated":
         from training.data.generated import generate_suite
 
-        return generate_suite(**options)
+        dataset = generate_suite(**options)
+    else:
+        dataset = _load_path(spec, "columns" in table_options)
+    if dataset is not None and "columns" in table_options:
+        raise DataError(f"--columns maps a table's columns; {spec!r} is a folder of JSON client files, whose fields "
+                        "are instruction, input, output, task and category")
+    if dataset is not None and not table_options:
+        return dataset
+    from training.data.partitioners import make_clients
+
+    return make_clients(spec, dataset, **table_options)
+
+
+def _load_path(spec: str, table: bool) -> FederatedDataset | None:
+    """A folder in the generic or FedDPA layout, or None for a table source (read by the partitioners)."""
+    from training.data.tables import DISK_MARKERS, is_table_source
+
     path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise DataError(f"unknown data set {spec!r}: not feddpa1/feddpa2/dolly/generated and not a folder")
-    if (path / "train").is_dir():
+    if path.is_dir() and any((path / m).is_file() for m in DISK_MARKERS):
+        return None  # a save_to_disk folder (its train/ is Arrow, not the generic layout)
+    if path.is_dir() and (path / "train").is_dir():
         return load_folder(path)
-    return load_feddpa_format(path)
+    if path.is_dir() and any(path.glob("*/local_training_*.json")):
+        return load_feddpa_format(path, name=identify(path))
+    if table or is_table_source(spec):
+        return None
+    if path.is_dir():
+        raise DataError(f"{path} holds no data: expected train/<client>.jsonl, the FedDPA layout "
+                        "(8/local_training_<i>.json), a save_to_disk folder or .csv/.tsv/.json/.jsonl/.parquet files")
+    raise DataError(f"unknown data set {spec!r}: not feddpa1/feddpa2/dolly/generated, not a file or folder, and not "
+                    "a Hub id (owner/name)")
 
 
-def load_run_dataset(config: Mapping[str, Any], spec: str | None = None) -> FederatedDataset:
+def load_run_dataset(config: Mapping[str, Any], spec: str | None = None, run_dir: Path | None = None,
+                     ) -> FederatedDataset:
     """The clients a run trained, from its ``run.json``: the data set, its options and the task split.
 
     Args:
         config: the run's ``run.json``.
         spec: another data set spec to load instead of the recorded one (same options and split).
+        run_dir: the run directory: a ``split.json`` there (a ``--partition``'s) gives each client's rows.
     """
     from training.data.partition import split_tasks
+    from training.data.partitioners import read_split
 
-    dataset = load_dataset(spec or config["data"], **(config.get("data_options") or {}))
+    options = dict(config.get("data_options") or {})
+    same = spec is None or spec == config["data"]  # another data set's rows are not the split's
+    recorded = read_split(run_dir) if run_dir is not None and same else None
+    if recorded is not None:
+        options["split"] = recorded
+    dataset = load_dataset(spec or config["data"], **options)
     k = int(config.get("clients_per_task") or 1)
     return split_tasks(dataset, k, seed=int(config.get("seed") or 0)) if k > 1 else dataset

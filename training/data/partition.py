@@ -104,7 +104,8 @@ def leave_out(dataset: FederatedDataset, held_out: Sequence[str]) -> FederatedDa
     if unknown:
         raise DataError(f"cannot hold out unknown tasks {sorted(unknown)}")
     clients = tuple(c for c in dataset.clients if c.task not in held_out)
-    return FederatedDataset(dataset.name + "-loo", clients, dataset.tests, dataset.duplicates, tuple(held_out))
+    return FederatedDataset(dataset.name + "-loo", clients, dataset.tests, dataset.duplicates, tuple(held_out),
+                            dataset.split)
 
 
 def hold_out(dataset: FederatedDataset, share: float, seed: int = 0) -> FederatedDataset:
@@ -128,7 +129,8 @@ def hold_out(dataset: FederatedDataset, share: float, seed: int = 0) -> Federate
         picked = set(random.Random(f"{seed}:{c.client_id}").sample(range(n), k))
         clients.append(ClientData(c.client_id, c.task, tuple(r for i, r in enumerate(c.train) if i not in picked),
                                   c.validation + tuple(r for i, r in enumerate(c.train) if i in picked)))
-    return FederatedDataset(dataset.name, tuple(clients), dataset.tests, dataset.duplicates, dataset.held_out)
+    return FederatedDataset(dataset.name, tuple(clients), dataset.tests, dataset.duplicates, dataset.held_out,
+                            dataset.split)
 
 
 def pool(dataset: FederatedDataset) -> list[Record]:

@@ -7,7 +7,9 @@ scored on its own task (personalization) and on all tasks (test-time personaliza
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class DataError(ValueError):
@@ -62,6 +64,28 @@ class ClientData:
 
 
 @dataclass(frozen=True)
+class Split:
+    """Which rows of a pooled table each client got (``--partition``; written to the run directory).
+
+    Attributes:
+        partition: how the rows were split (scheme, ``by`` column, clients, seed: ``PartitionSpec.asdict``).
+        rows: client id -> its row numbers in the pooled training rows (0-based, ascending).
+        pooled: the number of pooled rows (rows no client got, e.g. a shard partition's remainder, are dropped).
+        labels: the ``--by`` column's value of every pooled row (for the label histograms; not written).
+    """
+
+    partition: Mapping[str, Any]
+    rows: Mapping[str, tuple[int, ...]]
+    pooled: int
+    labels: tuple[str, ...] = field(default=(), compare=False)
+
+    def asdict(self) -> dict[str, Any]:
+        """JSON for ``split.json``."""
+        return {"partition": dict(self.partition), "pooled": self.pooled,
+                "clients": {c: list(r) for c, r in self.rows.items()}}
+
+
+@dataclass(frozen=True)
 class FederatedDataset:
     """Clients with local training data plus one test set per task.
 
@@ -71,6 +95,7 @@ class FederatedDataset:
         tests: task name -> its test examples.
         duplicates: test examples that also appear in some client's training data (warned at load).
         held_out: tasks with a test set but no training client (leave-one-task-out).
+        split: the rows each client got when ``--partition`` made the clients (None: the source's own clients).
     """
 
     name: str
@@ -78,6 +103,7 @@ class FederatedDataset:
     tests: dict[str, tuple[Record, ...]] = field(default_factory=dict)
     duplicates: int = 0
     held_out: tuple[str, ...] = ()
+    split: Split | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.clients:

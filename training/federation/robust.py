@@ -25,11 +25,20 @@ from typing import Any, Literal
 
 import torch
 
+from training.options import Option
 from training.protocol import FitRes
 from training.state import StateDict
 
 Aggregator = Literal["mean", "median", "trimmed_mean"]
-OPTIONS = ("clip_norm", "aggregator", "trim")
+# robust aggregation's options, opt-in (absent: the plain weighted average), for every FedAvg-family method
+OPTIONS = (
+    Option("clip_norm", float, None, "largest L2 norm of one client's update (null: no clipping)", low=0,
+           open_low=True, nullable=True, listed=False),
+    Option("aggregator", str, "mean", "how uploads are combined", choices=("mean", "median", "trimmed_mean"),
+           listed=False),
+    Option("trim", float, 0.2, "share of values dropped at each end by trimmed_mean", low=0, high=0.5,
+           open_high=True, listed=False),
+)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ ServerApp and the SuperNodes may all be new processes.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import math
@@ -109,6 +110,11 @@ class FlowerConfig:
             settings.check_device_spec(self.device, "the Flower run config's device")
         if self.compile:
             check_compile_mode(self.compile, "the Flower run config's compile")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"the Flower run config's options must be a JSON object, got {self.options!r}")
+        # dashed keys spelled as declared: a frozen field, set once here before anything reads it
+        object.__setattr__(self, "options",
+                           get_method(self.method).check_options(self.options, "the Flower run config's options"))
 
     def round_config(self) -> RoundConfig:
         """The round loop's part of these settings (the simulator's client selection)."""
@@ -117,13 +123,22 @@ class FlowerConfig:
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FlowerConfig:
-        """Build from Flower's flat run config (dashed keys; JSON strings for the dict fields)."""
+        """Build from Flower's flat run config (dashed keys; JSON strings for the dict fields).
+
+        Raises:
+            ValueError: a key that is not a field (the closest one and every valid key named), or an
+                ``options`` entry the method does not declare or whose value is of the wrong type or range.
+        """
         kwargs: dict[str, Any] = {}
+        fields = sorted(name.replace("_", "-") for name in cls.__dataclass_fields__)
         for key, value in cfg.items():
             name = key.replace("-", "_")
-            if name in cls.__dataclass_fields__:
-                decode = name in ("options", "data_options") and isinstance(value, str)
-                kwargs[name] = json.loads(value) if decode else value
+            if name not in cls.__dataclass_fields__:
+                close = difflib.get_close_matches(name.replace("_", "-"), fields, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"the Flower run config has no key {key!r}{hint}; its keys: {', '.join(fields)}")
+            decode = name in ("options", "data_options") and isinstance(value, str)
+            kwargs[name] = json.loads(value) if decode else value
         return cls(**kwargs)
 
 

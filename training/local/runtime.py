@@ -49,7 +49,8 @@ class TrainConfig:
         weight_decay: AdamW weight decay (0).
         max_grad_norm: clip the global gradient norm of each step at this value (1.0: the reference
             code's HF Trainer default, paper 000's FedDPA code; None: off).
-        lora: the adapters' LoRA config (r 8, alpha 16, dropout 0.05 on q_proj, v_proj).
+        lora: the adapters' LoRA config (r 8, alpha 16, dropout 0.05 on q_proj, v_proj by default;
+            ``fedmosaic train --lora-r/--lora-alpha/--lora-dropout/--target-modules``).
         prompt_style: ``alpaca_short`` (paper) or ``chat``.
         compile: None (eager), or the ``torch.compile`` mode the runtime compiles the base model's decoder
             layers with (``default`` or ``max-autotune``;
@@ -93,6 +94,7 @@ class TrainConfig:
             check_compile_mode(self.compile, "TrainConfig.compile must be None or a compile mode")
         if not 0 < self.round_decay <= 1:
             raise ValueError(f"TrainConfig.round_decay must be in (0, 1], got {self.round_decay}")
+        PromptConfig.named(self.prompt_style)  # a DataError (a ValueError) naming the style and the choices
 
     def round_lr(self, round_idx: int) -> float:
         """The learning rate round ``round_idx`` starts from (a final fine-tune, round -1, uses round 0's)."""
@@ -109,7 +111,7 @@ class TrainConfig:
         """Inverse of :meth:`asdict`."""
         data = dict(data)
         raw = data.pop("lora", None)
-        lora = LoraConfig(**{**raw, "target_modules": tuple(raw["target_modules"])}) if raw else LoraConfig()
+        lora = LoraConfig(**raw) if raw else LoraConfig()  # a names list becomes a tuple, a regex stays a string
         return cls(lora=lora, **data)
 
 

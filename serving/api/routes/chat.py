@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from serving.api import service
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors, json_or_sse
-from serving.openai import builders
+from serving.openai import builders, chat_format
 from serving.openai.responses import ChatShape
 from serving.openai.schemas import ChatCompletionRequest
 
@@ -22,8 +22,10 @@ async def chat_completions(request: Request, caller: Caller, body: ChatCompletio
     """OpenAI chat completions over the base model, an adapter, a FedDPA client or a mixture."""
     assert state.engine is not None
     service.check_access(state, caller, body)
+    # a run's target answers chat in the template its adapters trained with (serving.openai.chat_format)
+    style = chat_format.trained_style(state.stack, body.model, body.mixture())
     # templating and tokenizing a long prompt takes a while: off the event loop
-    choices = await run_in_threadpool(builders.choices, body, state.engine.tokenizer, service.limits(state))
+    choices = await run_in_threadpool(builders.choices, body, state.engine.tokenizer, service.limits(state), style)
     started = await service.start(state, body, choices, "chatcmpl", caller)
     k = (body.top_logprobs or 0) if body.logprobs else None
     shape = ChatShape(state.engine.tokenizer, service.head(started, body.model), service.details(state, caller), k)

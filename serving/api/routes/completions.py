@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -9,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from serving.api import service
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors, json_or_sse
-from serving.openai import builders
+from serving.openai import builders, compat
 from serving.openai.responses import CompletionShape
 from serving.openai.schemas import CompletionRequest
 
@@ -28,4 +30,6 @@ async def completions(request: Request, caller: Caller, body: CompletionRequest,
     shape = CompletionShape(state.engine.tokenizer, service.head(started, body.model),
                             service.details(state, caller), body.logprobs)
     include = bool(body.stream_options and body.stream_options.include_usage)
-    return await service.respond(state, started, shape, bool(body.stream), include, request.receive)
+    select = (functools.partial(compat.best_of, n=body.n or 1, per_prompt=compat.candidates(body))
+              if compat.picks_best(body) else None)  # best_of: the n most likely of the candidates
+    return await service.respond(state, started, shape, bool(body.stream), include, request.receive, select)

@@ -2,13 +2,13 @@
 
 Each function rounds at the same points as the Hugging Face Llama modules it replaces (one rounding to
 the activation dtype per PyTorch op), so a model run through these functions gives the same tensors as
-`transformers`' LlamaRMSNorm, apply_rotary_pos_emb and LlamaMLP. Attention is PyTorch's fused SDPA on the
-cache dtype, as HF's SDPA attention under autocast: scores and softmax in float32, the weights rounded to
-the cache dtype for the weighted sum, which accumulates in float32 and rounds once at the end. It reads
-the bf16 cache as it is: converting the rows to float32 first wrote and re-read twice their bytes, 40% of
-a 64-row decode step's attention on a CPU. On CUDA, where the Triton kernels serve and this module is
-their yardstick, the attention weights stay in float32 (the kernels' own rounding), and decode attention
-materialises its scores (capturable in a CUDA graph).
+`transformers`' LlamaRMSNorm, apply_rotary_pos_emb and LlamaMLP. Attention on the CPU, prefill and decode
+alike, is :func:`invariant_attention`: each query's result depends on that query and its row's keys only,
+not on the batch, the longest row or the chunk's query count (greedy reproducibility, docs/serving.md;
+PyTorch's fused SDPA, used before, rounded a token differently cold, after a cached prefix and beside a
+longer row), with scores, softmax and the weighted sum in float32. On CUDA, where the Triton kernels
+serve and this module is their yardstick, attention is PyTorch's SDPA with the weights in float32 (the
+kernels' own rounding), and decode attention materialises its scores (capturable in a CUDA graph).
 
 Stale cache cells (past a row's length) are read at weight 0 and must be finite, keys included:
 ``SlotKV.release`` zeroes what an owner wrote.
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 # A large finite negative score for masked positions (CUDA's decode path): a row with no valid position
 # then gets uniform weights over finite stale values (a finite result of no meaning) instead of NaN.
 _MASKED = torch.finfo(torch.float32).min
+# Keys per block of the CPU attention (invariant_attention): its weighted sums reduce over one block at a time.
+KEY_BLOCK = 64
 
 
 def rms_norm(
@@ -169,6 +171,9 @@ def decode_attention(
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
+    if not q.is_cuda:  # one query per row is a chunk of one token: the same invariant attention as a prefill
+        return invariant_attention(q.view(b, 1, hq, d), k_cache, v_cache, slots, lengths - 1, lengths,
+                                   scale).view(b, hq, d)
     k, v, valid = _gather_rows(k_cache, v_cache, slots, lengths)  # (B, Hkv, L, D) each, (B, L)
     # a kv head's G query heads are G queries of one attention over that head: no repeated K/V
     qg = q.view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
@@ -207,6 +212,8 @@ def prefill_attention(
         (B, T, Hq, D) in q.dtype: query t of row b attends to positions [0, starts[b] + t]; padded
         queries (t >= n_b) get finite values of no meaning.
     """
+    if not q.is_cuda:
+        return invariant_attention(q, k_cache, v_cache, slots, starts, lengths, scale)
     t = q.shape[1]
     k, v, valid = _gather_rows(k_cache, v_cache, slots, lengths)  # (B, Hkv, L, D) each, (B, L)
     query_pos = starts[:, None] + torch.arange(t, device=q.device)[None, :]  # (B, T)
@@ -220,3 +227,73 @@ def prefill_attention(
         out = F.scaled_dot_product_attention(q.to(dtype).transpose(1, 2), k.to(dtype), v.to(dtype),
                                              attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, Hq, T, D)
     return out.transpose(1, 2).to(q.dtype)
+
+
+def invariant_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention whose every query's result depends on that query and its row's keys alone (CPU).
+
+    Bit for bit the same whatever else the call holds: how many rows, how long the longest is, where
+    the chunk starts, how many queries it has. PyTorch's fused SDPA is not: its reductions follow the
+    longest row and the number of queries, so a prompt computed whole, after a cached prefix, in
+    chunks, or beside other prompts gave its tokens different roundings, and greedy answers on a near
+    tie differed. Here the keys are cut in blocks of :data:`KEY_BLOCK` counted from position 0; every
+    product reduces over a fixed length (``D`` for the scores, one block for the weighted values), the
+    block partials are added in position order, and masked positions add exact zeros. Scores, softmax
+    and the weighted sum are float32 (the bf16 cache read as float32), rounded once to ``q.dtype``.
+
+    Args:
+        q: (B, T, Hq, D) each row's new queries; row b's real ones are q[b, :lengths[b] - starts[b]].
+        k_cache: (S, Hkv, Lmax, D) key cache, the chunk's keys already written.
+        v_cache: (S, Hkv, Lmax, D) value cache, likewise.
+        slots: (B,) int64 cache rows.
+        starts: (B,) int64 position of each row's first query.
+        lengths: (B,) int64 starts + real query counts.
+        scale: score scale.
+
+    Returns:
+        (B, T, Hq, D) in q.dtype: query t of row b attends to positions [0, starts[b] + t]; padded
+        queries get finite values of no meaning.
+    """
+    b, t, hq, d = q.shape
+    hkv, lmax = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    width = -(-int(lengths.max()) // KEY_BLOCK) * KEY_BLOCK  # the longest row, in whole blocks
+    k, v, _ = _gather_rows(k_cache, v_cache, slots, torch.full_like(lengths, min(width, lmax)))  # (B, Hkv, W', D)
+    if width > lmax:  # a cache shorter than whole blocks: zero keys past its end, masked below
+        k, v = F.pad(k, (0, 0, 0, width - lmax)), F.pad(v, (0, 0, 0, width - lmax))
+    nb = width // KEY_BLOCK
+    # queries of one kv head side by side (its G heads for each of the T positions): no repeated K/V
+    qg = q.view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)  # (B, Hkv, T G, D)
+    rows = t * g
+    if rows == 1:  # a matrix-vector product rounds unlike a matrix product: compute one more (ignored) row
+        qg = torch.cat([qg, qg], dim=2)
+    query_pos = (starts[:, None] + torch.arange(t, device=q.device)[None, :]).repeat_interleave(g, dim=1)  # (B, T G)
+    key_pos = torch.arange(width, device=q.device)
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
+    allowed |= key_pos[None, None, :] == 0  # every query sees position 0: no softmax row is fully masked
+    if rows == 1:
+        allowed = torch.cat([allowed, allowed], dim=1)
+    with torch.autocast(q.device.type, enabled=False):  # float32 whatever autocast is on
+        # (B, Hkv, TG, W): D-long sums; the scale on the TG x D queries rather than on the scores
+        scores = torch.matmul(qg.float() * scale, k.float().transpose(-1, -2))
+        scores.masked_fill_(~allowed[:, None], float("-inf"))
+        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # the max is exact in any order
+        # per block [p_blk @ v_blk | sum p_blk]: the weighted values and the softmax's denominator in one product
+        ones = v.new_ones(v.shape[:-1] + (1,)).float()
+        vx = torch.cat([v.float(), ones], dim=-1).view(b, hkv, nb, KEY_BLOCK, d + 1)  # (B, Hkv, nb, K, D + 1)
+        pb = probs.view(b, hkv, -1, nb, KEY_BLOCK).transpose(2, 3)  # (B, Hkv, nb, TG, K)
+        parts = torch.matmul(pb, vx)  # (B, Hkv, nb, TG, D + 1)
+        acc = parts[:, :, 0]
+        for j in range(1, nb):  # in position order; blocks past a row's length add exact zeros
+            acc = acc + parts[:, :, j]
+        out = acc[..., :d] / acc[..., d:]  # (B, Hkv, TG, D)
+    out = out[:, :, :rows].reshape(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return out.to(q.dtype)

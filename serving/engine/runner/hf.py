@@ -6,6 +6,10 @@ its expert recorder), because the adapted layers read the batch's weights from t
 :class:`~adapters.context.AdapterContext` exactly as in training. It is eager: the fused Llama runner
 (:mod:`serving.engine.runner.llama`) is the fast path; this one is the reference it is tested against.
 
+Sliding-window attention (Mistral, or the sliding layers of Qwen2/Qwen3/Gemma2 configs) is applied by the
+mask this runner builds, as transformers' own mask would: a query at position p sees keys p - window + 1 .. p
+(the engine's slots still keep every position; the window only hides the older ones).
+
 Prefill chunks are left-padded to one ``(B, T)`` batch, so the last column is every row's last real
 token (one ``logits_to_keep=1``). Padding tokens write their K/V into the scratch slot and attend
 to their row's first chunk position, so nothing they compute reaches a real sequence.
@@ -79,6 +83,9 @@ class HFRunner:
         self.model, self.adapted, self.kv, self.autocast = model, adapted, kv, autocast
         self.device = kv.device
         self.sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+        self.window: int | None = getattr(model.config, "sliding_window", None)
+        types = getattr(model.config, "layer_types", None)  # per-layer kinds: one mask per kind, as a dict
+        self.layer_types = sorted(set(types)) if types and "sliding_attention" in types else None
 
     def supports(self, rows: Sequence[RowAdapters]) -> bool:
         """Every row kind runs here."""
@@ -100,10 +107,26 @@ class HFRunner:
             return self.adapted.context.use(names, weights)
         return contextlib.nullcontext()
 
-    def _mask(self, query_pos: torch.Tensor, key_limit: torch.Tensor, length: int) -> torch.Tensor:
-        """(B, 1, T, L) mask: key j is visible to query (b, t) when j <= query_pos and j < key_limit[b]."""
+    def _masks(self, query_pos: torch.Tensor, key_limit: torch.Tensor, length: int
+               ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The forward's attention mask: :meth:`_mask`, with the sliding window where the config has one (a
+        dict by layer kind where only some layers slide)."""
+        full = self._mask(query_pos, key_limit, length)
+        if self.window is None:
+            return full
+        windowed = self._mask(query_pos, key_limit, length, self.window)
+        if self.layer_types is None:
+            return windowed
+        return {kind: windowed if kind == "sliding_attention" else full for kind in self.layer_types}
+
+    def _mask(self, query_pos: torch.Tensor, key_limit: torch.Tensor, length: int,
+              window: int | None = None) -> torch.Tensor:
+        """(B, 1, T, L) mask: key j is visible to query (b, t) when j <= query_pos and j < key_limit[b]
+        (and j > query_pos - window with a sliding ``window``)."""
         keys = torch.arange(length, device=self.device)
         allowed = (keys.view(1, 1, -1) <= query_pos.unsqueeze(-1)) & (keys.view(1, 1, -1) < key_limit.view(-1, 1, 1))
+        if window is not None:
+            allowed &= keys.view(1, 1, -1) > query_pos.unsqueeze(-1) - window
         allowed = allowed.unsqueeze(1)
         if self.sdpa:
             return allowed
@@ -116,7 +139,7 @@ class HFRunner:
              want_state: bool, every: Sequence[int] = (), lengths: Sequence[int] = ()) -> StepOutput:
         recorder = ExpertRecorder() if any(not r.plain for r in rows) else None
         cache = SlotCache(self.kv, write_slots, write_pos, read_slots, length)
-        mask = self._mask(pos, key_limit, length)
+        mask = self._masks(pos, key_limit, length)
         with self._context(rows, recorder), self.autocast():
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
                              use_cache=True, logits_to_keep=0 if any(every) else 1, output_hidden_states=want_state)

@@ -110,7 +110,7 @@ def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     if weight.is_mkldnn or not in_major or _is_in_major(weight):
         return linear(h, weight, bias)
-    logits = torch.mm(weight, h.t()).t()
+    logits = torch.mm(weight, twice(h).t()).t()[:1] if lone_row(h) else torch.mm(weight, h.t()).t()
     return logits + bias if bias is not None else logits
 
 
@@ -181,12 +181,28 @@ def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 8)
 
 
+def lone_row(x: torch.Tensor) -> bool:
+    """True when ``x`` is one float32 row on a CPU: oneMKL's matrix-vector product for it rounds unlike
+    its matrix product of two or more rows (which round alike at any row count for small matrices, and for
+    any under ``MKL_CBWR=AUTO,STRICT``: greedy reproducibility in docs/serving.md)."""
+    return x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def twice(x: torch.Tensor) -> torch.Tensor:
+    """(2, K) from a (1, K) row: a product over it rounds like any batch's, the second row is dropped."""
+    return torch.cat([x, x])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a plain or a packed (:func:`packed_copy`) ``weight``.
 
-    A packed matrix computes in its own dtype: ``x`` and ``bias`` are cast to it, as autocast would.
+    A packed matrix computes in its own dtype: ``x`` and ``bias`` are cast to it, as autocast would. A
+    lone float32 row on a CPU is computed as two (:func:`lone_row`): a row's product is then the same
+    whatever else its batch holds, which greedy reproducibility needs (docs/serving.md).
     """
     if not weight.is_mkldnn:
+        if lone_row(x):
+            return F.linear(twice(x), weight, bias)[:1]
         return F.linear(x, weight, bias)
     b = None if bias is None else bias.to(weight.dtype)
     return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, b, "none", [], "")

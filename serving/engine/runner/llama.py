@@ -18,8 +18,9 @@ Those copies are oneDNN-packed where torch has that form (1.5x faster GEMMs for 
 plain, with the adapter slots holding the adapted groups' copies, each with its ``A`` stack under it.
 In float32 on CPU the matrices are stored in-feature-major instead (:mod:`serving.engine.runner.layout`).
 
-Supported: ``llama``, ``mistral`` (no sliding window below the context) and ``qwen2`` configs with
-static RoPE; every other model runs on :mod:`serving.engine.runner.hf`.
+Supported: ``llama``, ``mistral`` and ``qwen2`` (q/k/v biases) and ``qwen3`` (per-head q/k RMSNorm,
+:mod:`serving.engine.runner.qk_norm`) configs with static RoPE and no sliding window below the context
+(``models.families``' table); every other model runs on :mod:`serving.engine.runner.hf`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from adapters import AdaptedModel, MultiLoraLinear
+from models.families import FUSED_TYPES
 from serving.engine import kernels
 from serving.engine.kv import SlotKV
 from serving.engine.runner.inputs import DecodeRow, PrefillRow, RowAdapters, StepOutput
@@ -47,12 +49,13 @@ from serving.engine.runner.layout import (
     reorder,
 )
 from serving.engine.runner.lora_slots import GROUPS, LoraSlots, Projection
+from serving.engine.runner.qk_norm import apply_qk_norm, qk_norm_problem, qk_norms
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+MODEL_TYPES = FUSED_TYPES
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 ROPES = ("default", "linear", "llama3")
 TARGETS = tuple(t for group in GROUPS.values() for t in group)
 
@@ -77,6 +80,8 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     norms = {type(m).__name__ for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
     if not norms <= set(NORMS):
         return f"norm layers {sorted(norms)} are not Llama RMSNorm"
+    if (problem := qk_norm_problem(layers)) is not None:
+        return problem
     if isinstance(model.lm_head, MultiLoraLinear) or isinstance(inner.embed_tokens, MultiLoraLinear):
         return "adapters on the embeddings or the LM head"
     return None
@@ -122,6 +127,7 @@ class LlamaRunner:
         self.mods: list[dict[str, Projection]] = []
         self.weights: list[dict[str, torch.Tensor | None]] = []
         self.norm_w: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
+        self.qk_norms = [qk_norms(layer.self_attn) for layer in inner.layers]  # Qwen3's; None elsewhere
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             mods = {t: getattr(a if t in GROUPS["qkv"] + GROUPS["o"] else m, t) for t in TARGETS}
@@ -244,6 +250,8 @@ class LlamaRunner:
                                            None if x is None else residual)
             qkv = self._linear(h, i, "qkv", lora)  # (N, q + 2 kv)
             q, k, v = qkv.split(self.splits, dim=-1)
+            q, k = apply_qk_norm(q.view(n, self.hq, self.head_dim), k.view(n, self.hkv, self.head_dim),
+                                 self.qk_norms[i])
             q = kernels.rotary_kv_write(q.view(n, self.hq, self.head_dim), k.view(n, self.hkv, self.head_dim),
                                         v.view(n, self.hkv, self.head_dim), cos, sin, kv.k[i], kv.v[i], wslot, wpos)
             o = attend(i, q.to(kv.dtype)).reshape(n, self.hq * self.head_dim)

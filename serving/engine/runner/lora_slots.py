@@ -28,6 +28,11 @@ slot last changed (a step using fewer pads its weights with zeros, so steps of d
 repack): 2.2-3.4 ms less of a 36-38 ms SmolLM2 decode step of 8 FedDPA rows. A fill or a growth drops
 them; the next step repacks, 60 small matrices for SmolLM2.
 
+A group's stacks cover every target adapted in any decoder layer (the union of the served adapters'
+targets, :mod:`serving.pool.targets`); an adapter without weights in a layer or a target leaves its rows
+there zero, so adapters of different target sets share one step exactly. An adapter with weights outside
+these groups (a regex reaching ``lm_head``) does not :meth:`LoraSlots.fits` and runs on the HF runner.
+
 Every slot holds the stacks' rank, a smaller adapter zero-padded, and a step reads the padding too.
 Without CUDA graphs the rank therefore follows the adapters: it starts at 0 (no stacks) and grows to
 the largest rank a step has needed, up to ``max_lora_rank`` (the stacks are remade and the slots
@@ -45,8 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adapters import AdaptedModel, MultiLoraLinear
-from serving.engine.runner.layout import in_feature_major, linear, pack
+from adapters import AdaptedModel, LoraConfig, MultiLoraLinear
+from serving.engine.runner.layout import in_feature_major, linear, lone_row, pack, twice
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +105,12 @@ class LoraSlots:
         self.layers = list(layers)
         self.layouts: dict[str, GroupLayout] = {}
         for group, targets in GROUPS.items():
-            mods = self.layers[0]
-            adapted_targets = tuple(t for t in targets if isinstance(mods.get(t), MultiLoraLinear))
+            # a target adapted in any layer has rows in every layer's stacks (zero where a layer lacks it)
+            adapted_targets = tuple(t for t in targets
+                                    if any(isinstance(mods.get(t), MultiLoraLinear) for mods in self.layers))
             if not adapted_targets:
                 continue
-            columns, start = [], 0
+            mods, columns, start = self.layers[0], [], 0
             for t in targets:
                 width = int(mods[t].out_features)
                 if t in adapted_targets:
@@ -121,6 +127,10 @@ class LoraSlots:
                     assert w is not None and w.dtype == dtype and w.shape == (self.layouts[group].d_out,
                                                                               self.layouts[group].d_in)
                     folded[group] = (w, base.get(group + "_bias"))
+        # the module paths these stacks apply: an adapter with weights anywhere else runs on the HF runner
+        self.covered = frozenset(mods[t].layer_name for mods in self.layers for lay in self.layouts.values()
+                                 for t in lay.targets if isinstance(mods.get(t), MultiLoraLinear))
+        self._fit: dict[str, tuple[LoraConfig, bool]] = {}  # adapter -> (its config, whether covered)
         self.stacks = self._allocate(self.rank)
         # per layer, group -> (R, packed A[:R] (R, d_in), packed Bt[:R]^T (d_out, R)); dropped when a slot changes
         self._packed: list[dict[str, tuple[int, torch.Tensor, torch.Tensor]]] = [{} for _ in self.layers]
@@ -174,9 +184,19 @@ class LoraSlots:
             return False
         for name in names:
             config = self.adapted.configs.get(name)
-            if config is None or config.r > self.max_rank or not set(config.target_modules) <= self.targets:
+            if config is None or config.r > self.max_rank or not self._covers(name, config):
                 return False
         return True
+
+    def _covers(self, name: str, config: LoraConfig) -> bool:
+        """Whether every layer holding adapter ``name`` is one these stacks apply (memoised per config)."""
+        held = self._fit.get(name)
+        if held is None or held[0] is not config:
+            held = (config, self.adapted.targets_of(name) <= self.covered)
+            if len(self._fit) > 4 * self.capacity + 64:
+                self._fit.clear()
+            self._fit[name] = held
+        return held[1]
 
     def place(self, names: Sequence[str]) -> list[int]:
         """Slots holding ``names`` (copying adapters in as needed); call only when :meth:`fits`.
@@ -214,14 +234,15 @@ class LoraSlots:
 
     def _print(self, name: str) -> tuple[int, ...]:
         """Identity of an adapter's tensors: module ids and in-place versions of its first layer."""
-        for mods in self.layers[:1]:
+        for mods in self.layers:  # the first layer holding it (an adapter may skip layers)
             out: list[int] = []
             for t in sorted(self.targets):
                 mod = mods.get(t)
                 if isinstance(mod, MultiLoraLinear) and name in mod.adapters:
                     a = mod.adapters[name]
                     out += [id(a), a.lora_A._version, a.lora_B._version]
-            return tuple(out)
+            if out:
+                return tuple(out)
         return ()
 
     def _fill(self, slot: int, name: str) -> None:
@@ -281,6 +302,10 @@ class LoraSlots:
             y += linear(h, bt, None)
             return
         A, Bt = self.stacks[layer][group]
+        if lone_row(x):  # as layout.linear: one float32 row rounds alone unless computed as two
+            both = twice(y).addmm_(torch.mm(twice(x), A[:rows].t()) * twice(wexp), Bt[:rows])
+            y.copy_(both[:1])
+            return
         h = torch.mm(x.to(A.dtype), A[:rows].t()) * wexp  # (N, R_b)
         y.addmm_(h.to(y.dtype), Bt[:rows].to(y.dtype))
 

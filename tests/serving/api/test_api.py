@@ -104,7 +104,8 @@ def test_chat_shapes_and_feddpa_weights(client: TestClient) -> None:
 def test_mixture_extension_and_completions(client: TestClient) -> None:
     mix = [{"name": "global", "weight": 0.5}, {"name": "1:local", "weight": 0.5}]
     body = client.post("/v1/chat/completions", json={**CHAT, "adapters": mix}).json()
-    assert body["fedmosaic"] == {"mode": "mixture", "weights": {"global": 0.5, "1:local": 0.5}, "info": {}}
+    assert body["fedmosaic"] == {"mode": "mixture", "weights": {"global": 0.5, "1:local": 0.5}, "info": {},
+                                 "prompt_format": "alpaca_short"}  # the run's adapters: its trained template
     done = client.post("/v1/completions", json={"model": "global", "prompt": "Sort these", "max_tokens": 4,
                                                 "temperature": 0}).json()
     assert done["object"] == "text_completion" and done["usage"]["completion_tokens"] <= 4

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from serving.openai.chat_format import template_head
 from serving.settings import ServeSettings
 from tests.serving.helpers import ready_client
 
@@ -93,7 +94,8 @@ def chat(client: TestClient, key: str, model: str, content: str) -> None:
 
 def test_tenants_share_the_chat_template_and_nothing_after_it(client: TestClient) -> None:
     tokenizer = client.app.state.server.engine.tokenizer  # type: ignore[attr-defined]
-    template = len(tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"])  # the template's own text
+    # the template's own text: the run's targets answer chat in the template their adapters trained with
+    template = len(tokenizer(template_head("alpaca_short"), add_special_tokens=False)["input_ids"])
     chat(client, TENANT_B, "capitals", SECRET)
     before = reused(client, ADMIN)
     chat(client, TENANT_A, "sorting", "Quite another question")  # A's first chat: only B's prompt could serve it

@@ -55,6 +55,7 @@ from training.algorithms.pfedseq.learners import KINDS, OwnSequence, make_learne
 from training.federation.aggregate import weighted_average
 from training.local.regime import Regime
 from training.local.runtime import Runtime
+from training.options import Option
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method
 from training.state import StateDict, derive_seed
 
@@ -335,11 +336,36 @@ def _strategy(o: Mapping[str, Any]) -> PFedSeqStrategy:
     return PFedSeqStrategy(PFedSeqConfig.from_options(o), seed=int(o.get("seed", 0)))
 
 
+def _option(name: str, kind: type, help: str, listed: bool = True, **limits: Any) -> Option:
+    """A :class:`PFedSeqConfig` field as a method option (its default is the dataclass's: one source)."""
+    return Option(name, kind, getattr(PFedSeqConfig, name), help, listed=listed, **limits)
+
+
+OPTIONS = (  # the module docstring says each one's meaning; PFedSeqConfig.__post_init__ checks them together
+    _option("warmup", int, "FedAvg rounds before the learners start, W", low=0),
+    _option("window", int, "updates each learner sees, L (1: ablation B)", low=1),
+    _option("learner", str, "ssm, lstm (ablation E) or mlp (ablation D)", choices=tuple(KINDS)),
+    _option("learner_lr", float, "the learners' Adam learning rate", low=0, open_low=True),
+    _option("layers", int, "learner layers", low=1),
+    _option("d_state", int, "SSM state size, M", low=1),
+    _option("expand", int, "SSM expansion", low=1),
+    _option("d_conv", int, "SSM convolution width", low=1),
+    _option("mlp_hidden", int, "hidden width of the mlp learner", low=1, listed=False),
+    _option("max_grad_norm", float, "the learners' gradient clipping (null: none)", low=0, open_low=True,
+            nullable=True, listed=False),
+    _option("chunk", int, "coordinates per learner pass", low=1),
+    _option("scan", str, "the SSM scan: auto, torch or kernel (mamba-ssm)", choices=("auto", "torch", "kernel")),
+    _option("server_device", str, "auto (the run's device), cpu or cuda[:i]", listed=False),
+    _option("clients", list, "the roster, the learner's channels in order (default: the first round's)",
+            listed=False),
+    _option("aggregation", bool, "false: ablation A (no global aggregation)"),
+    _option("cross_client", bool, "false: ablation C (each client's calibration from its own updates)"),
+    _option("personalize", str, "calibrated (the server's) or trained (a local fine-tune)",
+            choices=("calibrated", "trained")),
+)
 PFEDSEQ = Method(
     name="pfedseq", strategy=_strategy, client=lambda o: PFedSeqClient(str(o.get("personalize", "calibrated"))),
     has_local=True, inference_weight=1.0,
-    defaults={"warmup": 10, "window": 10, "learner": "ssm", "learner_lr": 1e-3, "layers": 2, "d_state": 16,
-              "expand": 2, "d_conv": 4, "chunk": 2048, "scan": "auto", "aggregation": True, "cross_client": True,
-              "personalize": "calibrated"},
+    options=OPTIONS,
     regime=REGIME,
 )
