@@ -47,6 +47,7 @@ from adapters.amole import load_balance_loss
 from adapters.amole_layer import SHARED, add_amole_experts, expert_name
 from adapters.amole_routing import AMoLERouting
 from adapters.rundir import RunDir
+from training.algorithms.fedamole.options import OPTIONS
 from training.algorithms.fedamole.rsea import (
     AMoLEConfig,
     add_dp_noise,
@@ -63,7 +64,6 @@ from training.local.lm_forward import lm_forward
 from training.local.regime import Regime
 from training.local.runtime import Runtime
 from training.local.train import LossFn, train_adapters
-from training.options import Option
 from training.protocol import ClientAlgorithm, ClientContext, FitIns, FitRes, Method, Strategy, layout_problem
 from training.state import StateDict, derive_seed
 
@@ -390,32 +390,6 @@ def export(run: RunDir, rt: Runtime, state: StateDict, strategy: Strategy) -> No
     load_state(rt, state)
 
 
-def _option(name: str, kind: type, help: str, listed: bool = True, **limits: Any) -> Option:
-    """An :class:`AMoLEConfig` field as a method option (its default is the dataclass's: one source)."""
-    return Option(name, kind, getattr(AMoLEConfig, name), help, listed=listed, **limits)
-
-
-# AMoLEConfig's fields (its __post_init__ checks their combinations); the unlisted ones are ablation switches
-OPTIONS = (
-    _option("num_experts", int, "domain experts per module, N_e (default: 10 per client)", low=1),
-    _option("expert_choices", int, "clients each expert selects per round, k_c", low=1),
-    _option("top_k", int, "domain experts per token", low=1),
-    _option("min_experts", int, "fewest experts per client-module", low=1),
-    _option("max_experts", int, "most experts per client-module", low=1),
-    _option("load_balance_alpha", float, "weight of the load-balance loss", low=0),
-    _option("assignment", str, "rsea (paper), static (FedMoLE) or random (FedAMoLE-R)",
-            choices=("rsea", "static", "random")),
-    _option("export", str, "local: each client's last-round experts too; aggregated: the server's pool only",
-            choices=("local", "aggregated")),
-    _option("router", str, "amole (the paper's gate) or vanilla (FedAMoLE-A)", choices=("amole", "vanilla")),
-    _option("shared_expert", bool, "false: the FedAMoLE-S ablation (no shared expert)", listed=False),
-    _option("homogeneous", bool, "every client holds N_e k_c / N_c experts", listed=False),
-    _option("solver", str, "the MILP solver", listed=False, choices=("highs", "scip")),
-    _option("dp_noise", bool, "the reference code's Gamma noise on uploaded embeddings", listed=False),
-    _option("dp_eta", float, "rate of the DP noise's Gamma magnitude (larger: less noise)", listed=False, low=0,
-            open_low=True),
-    _option("embed_noise", float, "Gaussian noise std on uploaded embeddings (0: off)", listed=False, low=0),
-)
 FEDAMOLE = Method(
     name="fedamole", strategy=lambda o: FedAMoLEStrategy(_cfg(o), int(o.get("seed", 0))),
     client=lambda o: FedAMoLEClient(_cfg(o), int(o.get("seed", 0))),
