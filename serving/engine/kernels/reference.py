@@ -177,14 +177,11 @@ def decode_attention(
     k, v, valid = _gather_rows(k_cache, v_cache, slots, lengths)  # (B, Hkv, L, D) each, (B, L)
     # a kv head's G query heads are G queries of one attention over that head: no repeated K/V
     qg = q.view(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
+    # CUDA from here: the Triton kernel's yardstick, float32 weights and materialised scores (capturable)
     with torch.autocast(q.device.type, enabled=False):  # as documented, whatever autocast is on
-        if q.is_cuda:  # the Triton kernel's yardstick: float32 weights, materialised scores (capturable)
-            scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale  # (B, Hkv, G, L)
-            probs = torch.softmax(scores.masked_fill_(~valid[:, None, None, :], _MASKED), dim=-1)
-            out = torch.matmul(probs, v.float())  # (B, Hkv, G, D)
-        else:
-            out = F.scaled_dot_product_attention(qg.to(k.dtype), k, v, attn_mask=valid[:, None, None, :],
-                                                 scale=scale)  # (B, Hkv, G, D)
+        scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale  # (B, Hkv, G, L)
+        probs = torch.softmax(scores.masked_fill_(~valid[:, None, None, :], _MASKED), dim=-1)
+        out = torch.matmul(probs, v.float())  # (B, Hkv, G, D)
     return out.reshape(b, hq, d).to(q.dtype)
 
 
@@ -220,11 +217,10 @@ def prefill_attention(
     key_pos = torch.arange(k.shape[2], device=q.device)  # (L,)
     # (B, T, L): every query sees position 0 at least, so no row of the softmax is fully masked
     allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, None, :]
-    dtype = torch.float32 if q.is_cuda else k.dtype  # as decode_attention: float32 weights on CUDA
     with torch.autocast(q.device.type, enabled=False):  # as documented, whatever autocast is on
-        # one fused kernel (flash attention on CPU and CUDA) instead of materialised (B, Hq, T, L) scores:
-        # 6x faster for a 512-token prompt on a CPU
-        out = F.scaled_dot_product_attention(q.to(dtype).transpose(1, 2), k.to(dtype), v.to(dtype),
+        # CUDA from here: one fused kernel in float32 (as decode_attention) instead of materialised
+        # (B, Hq, T, L) scores
+        out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float(), v.float(),
                                              attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, Hq, T, D)
     return out.transpose(1, 2).to(q.dtype)
 
