@@ -42,7 +42,7 @@ from serving.openai import builders, compat
 from serving.openai.builders import Choice, Limits
 from serving.openai.compat import FieldPolicy, SamplingDefaults
 from serving.openai.errors import error_payload, validation_payload
-from serving.openai.responses import Answer, ChatShape, CompletionShape
+from serving.openai.responses import Answer, ChatShape, CompletionShape, best_of
 from serving.openai.schemas import ChatCompletionRequest, CompletionRequest
 from serving.stack import Job, JobOutcome
 
@@ -234,7 +234,7 @@ def _answer(line: Line, tokenizer: PreTrainedTokenizerBase, choices: list[Choice
         assert isinstance(body, CompletionRequest)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": created, "model": body.model}
         if compat.picks_best(body):  # best_of: the n candidates of highest cumulative log-probability
-            answers = compat.best_of(answers, body.n or 1, compat.candidates(body))
+            answers = best_of(answers, body.n or 1, compat.candidates(body))
         return 200, CompletionShape(tokenizer, head, True, body.logprobs).body(answers)
     except Exception as exc:  # an engine error or cancellation of this line only
         logger.error("line %d (%s) failed: %s", line.n, line.custom_id, exc)

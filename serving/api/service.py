@@ -148,7 +148,7 @@ async def respond(state: ServerState, started: Started, shape: Shape, stream: bo
     """The JSON response once every choice finished, or the SSE stream.
 
     Args:
-        select: keeps the answers the response shows (``best_of``: :func:`serving.openai.compat.best_of`);
+        select: keeps the answers the response shows (``best_of``: :func:`serving.openai.responses.best_of`);
             every choice counts in the metrics.
         receive: the request's ASGI receive channel: when the client goes away before every choice
             finished, every choice is cancelled (its engine row freed at the next step) and nothing is

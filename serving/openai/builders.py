@@ -10,7 +10,7 @@ each prompt yields ``n`` choices, indexed ``prompt * n + j`` (vLLM's order). Wit
 ``j`` of a prompt samples with ``seed + j`` (vLLM's rule for ``n > 1``), so choices differ and a
 request is reproducible; without one every choice draws fresh entropy. A completion's ``best_of``
 yields that many candidates per prompt instead, of which the response keeps ``n``
-(:func:`serving.openai.compat.best_of`).
+(:func:`serving.openai.responses.best_of`).
 """
 
 from __future__ import annotations

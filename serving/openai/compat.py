@@ -19,19 +19,16 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from serving.engine.sampling import SamplingParams
 from serving.errors import InvalidRequest
 from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-
-if TYPE_CHECKING:  # responses imports builders, which imports this module
-    from serving.openai.responses import Answer
 
 logger = logging.getLogger(__name__)
 
@@ -161,21 +158,3 @@ def candidates(body: SamplingFields) -> int:
 def picks_best(body: SamplingFields) -> bool:
     """True when the response keeps only the best ``n`` of more candidates."""
     return candidates(body) > (body.n or 1)
-
-
-def best_of(answers: Sequence[Answer], n: int, per_prompt: int) -> list[Answer]:
-    """The ``n`` answers per prompt with the highest cumulative log-probability, best first, re-indexed.
-
-    Args:
-        answers: every candidate in choice order (``per_prompt`` a prompt).
-        n: answers kept per prompt.
-        per_prompt: candidates per prompt (``best_of``).
-    """
-    kept = []
-    for p in range(0, len(answers), per_prompt):
-        group = answers[p:p + per_prompt]
-        # sorted is stable: equal sums keep the candidates' order
-        ranked = sorted(group, key=lambda a: -sum(e.logprob for e in a.result.logprobs or ()))
-        for j, a in enumerate(ranked[:n]):
-            kept.append(replace(a, choice=replace(a.choice, index=(p // per_prompt) * n + j)))
-    return kept

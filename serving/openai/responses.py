@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from serving.engine.request import GenerationResult
@@ -236,3 +236,21 @@ class CompletionShape:
         event = self.chunk(answer.choice.index, "", finish_reason(answer.result), self._logprobs(answer))
         event["fedmosaic"] = extension(answer.plan, answer.result, self.details)
         return event
+
+
+def best_of(answers: Sequence[Answer], n: int, per_prompt: int) -> list[Answer]:
+    """The ``n`` answers per prompt with the highest cumulative log-probability, best first, re-indexed.
+
+    Args:
+        answers: every candidate in choice order (``per_prompt`` a prompt).
+        n: answers kept per prompt.
+        per_prompt: candidates per prompt (``best_of``).
+    """
+    kept = []
+    for p in range(0, len(answers), per_prompt):
+        group = answers[p:p + per_prompt]
+        # sorted is stable: equal sums keep the candidates' order
+        ranked = sorted(group, key=lambda a: -sum(e.logprob for e in a.result.logprobs or ()))
+        for j, a in enumerate(ranked[:n]):
+            kept.append(replace(a, choice=replace(a.choice, index=(p // per_prompt) * n + j)))
+    return kept

@@ -12,7 +12,7 @@ from serving.api import service
 from serving.api.dependencies import Caller, State
 from serving.api.openapi import errors, json_or_sse
 from serving.openai import builders, compat
-from serving.openai.responses import CompletionShape
+from serving.openai.responses import CompletionShape, best_of
 from serving.openai.schemas import CompletionRequest
 
 router = APIRouter()
@@ -30,6 +30,6 @@ async def completions(request: Request, caller: Caller, body: CompletionRequest,
     shape = CompletionShape(state.engine.tokenizer, service.head(started, body.model),
                             service.details(state, caller), body.logprobs)
     include = bool(body.stream_options and body.stream_options.include_usage)
-    select = (functools.partial(compat.best_of, n=body.n or 1, per_prompt=compat.candidates(body))
+    select = (functools.partial(best_of, n=body.n or 1, per_prompt=compat.candidates(body))
               if compat.picks_best(body) else None)  # best_of: the n most likely of the candidates
     return await service.respond(state, started, shape, bool(body.stream), include, request.receive, select)
