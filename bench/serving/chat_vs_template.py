@@ -25,10 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -38,51 +34,22 @@ from typing import Any
 
 import httpx
 
-from bench.serving.common import print_json
+from bench.serving.common import print_json, served
 from models.settings import DTYPES
 from training.data import Record, load_run_dataset
 from training.data.prompts import PromptConfig, format_prompt, user_text
 from training.scoring import score
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout: bench/serving/chat_vs_template.py
 WAYS = ("template", "chat", "chat_template")
 
 
 @contextmanager
 def server(args: argparse.Namespace, log: Path) -> Iterator[str]:
     """``fedmosaic serve RUN`` (this checkout) on a free port until the block ends; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "fedmosaic.cli", "serve", str(args.run), "--port", str(port)]
-    cmd += [*(["--dtype", args.dtype] if args.dtype else []), *(["--device", args.device] if args.device else [])]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    serve_args = [str(args.run), *(["--dtype", args.dtype] if args.dtype else []),
+                  *(["--device", args.device] if args.device else [])]
+    with served(serve_args, log, threads=args.threads, ready_s=900) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def tokenizer_of(model: str) -> Any:

@@ -18,7 +18,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from routing.embedding import embed_prompts
 
 if TYPE_CHECKING:
     import httpx
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout: bench/serving/common.py
 
 TOPICS = ["sorting words", "country capitals", "unit conversion", "arithmetic", "spelling", "antonyms",
           "dates", "colours", "animals", "planets", "rivers", "authors"]
@@ -280,3 +283,56 @@ def step_figures(before: dict[str, tuple[float, float]], after: dict[str, tuple[
             out[kind] = {"steps": int(n), "mean_ms": round(1e3 * sec / n, 1),
                          "share_of_wall": round(sec / wall, 3) if wall > 0 else None}
     return out
+
+
+@contextmanager
+def served(serve_args: Sequence[str], log: Path, env: dict[str, str] | None = None, threads: int | None = None,
+           ready_s: float = 600) -> Iterator[str]:
+    """``fedmosaic serve SERVE_ARGS`` (this checkout) on a free port until the block ends; yields its URL.
+
+    Args:
+        serve_args: the arguments after ``serve`` (``--port`` is added).
+        log: the server's stdout and stderr go here; its tail is in the error when it fails.
+        env: extra environment variables.
+        threads: ``OMP_NUM_THREADS`` for the server (None: inherited).
+        ready_s: seconds to wait for ``/health``.
+
+    Raises:
+        RuntimeError: the server exited or did not become ready in time.
+    """
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "fedmosaic.cli", "serve", *serve_args, "--port", str(port)]
+    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    if threads:
+        full_env["OMP_NUM_THREADS"] = str(threads)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not become ready:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -46,9 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -66,61 +63,26 @@ from bench.serving.common import (
     print_json,
     questions,
     ratio,
+    served,
     step_figures,
     step_totals,
 )
 from bench.serving.load_probe import HOT, Reply, Timeline, references, reload, stream, write_versions
 from models import load_base_model
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout: bench/serving/load.py
-
 
 @contextmanager
 def server(run: Path, args: argparse.Namespace, log: Path) -> Iterator[str]:
     """Run ``fedmosaic serve run`` (this checkout) on a free port until the block ends; yields its URL."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "fedmosaic.cli", "serve", str(run), "--model", args.model, "--port", str(port),
-           "--max-batch-size", str(args.max_batch_size), "--max-model-len", str(args.max_model_len), "--runtime-lora"]
-    if args.dtype:
-        cmd += ["--dtype", args.dtype]
-    if args.device:
-        cmd += ["--device", args.device]
-    if args.count_syncs:
-        cmd += ["--count-syncs"]
-    if args.profile:
-        cmd += ["--profile", str(Path(args.profile).resolve())]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "FEDMOSAIC_SERVE_MAX_WAITING": str(max(256, 2 * args.clients))}
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    serve_args = [str(run), "--model", args.model, "--max-batch-size", str(args.max_batch_size),
+                  "--max-model-len", str(args.max_model_len), "--runtime-lora"]
+    serve_args += [*(["--dtype", args.dtype] if args.dtype else []),
+                   *(["--device", args.device] if args.device else [])]
+    serve_args += [*(["--count-syncs"] if args.count_syncs else []),
+                   *(["--profile", str(Path(args.profile).resolve())] if args.profile else [])]
+    with served(serve_args, log, {"FEDMOSAIC_SERVE_MAX_WAITING": str(max(256, 2 * args.clients))},
+                args.threads) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 
